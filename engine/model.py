@@ -1,0 +1,277 @@
+"""A lean forward for the Llama family (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a slotted KV cache.
+
+One call runs a batch of requests at different positions (per-row positions, padding = -1) and
+returns logits plus the hidden states of requested layers (DFlash's context features). It loads
+Hugging Face safetensors checkpoints by their standard names; it knows nothing about drafting.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from engine.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        model_type = hf.get("model_type", "llama")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
+            rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type in ("llama", "mistral") and attention_bias,
+            qk_norm=model_type == "qwen3",
+            model_type=model_type,
+        )
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama-3 and linear scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(medium, scaled, inv_freq)
+    elif scaling:
+        raise ValueError(f"rope scaling {scaling.get('rope_type')!r} is not supported")
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def forward(self, positions, dtype):
+        """positions [batch, q] -> cos, sin [batch, 1, q, head_dim] in `dtype`."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.sizes = (q_size, kv_size, kv_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x, cos, sin, cache, layer, slots, write_pos, kv_len, mask):
+        batch, q_len, _ = x.shape
+        q, k, v = self.qkv(x).split(self.sizes, dim=-1)
+        q = q.view(batch, q_len, self.num_heads, self.head_dim)
+        k = k.view(batch, q_len, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        v = v.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cache.write(layer, slots, write_pos, k, v)
+        keys, values = cache.read(layer, slots, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, *attn_args):
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    """The target LLM. Layers [layer_start, layer_end) may be a pipeline shard of a bigger model."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(config)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots, max_len) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
+        """Run new tokens of a batch of requests through the model, writing their keys/values.
+
+        input_ids    [batch, q] long
+        positions    [batch, q] long, -1 marks padding (written to the cache's trash column)
+        slots        [batch] long: each row's cache slot
+        kv_len       int: 1 + the largest position in the batch (known on the host)
+        feature_layers: target layer ids whose outputs are returned, concatenated on features
+        logits_index [batch, k] long or None: which of the q positions need logits
+        returns logits [batch, k or q, vocab] (float32), features [batch, q, n * hidden] or None
+        """
+        x = self.embed_tokens(input_ids)
+        rope_pos = positions.clamp_min(0)
+        write_pos = torch.where(positions >= 0, positions, cache.max_len)
+        cos, sin = self.rotary(rope_pos, x.dtype)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = (key_pos <= rope_pos[..., None])[:, None]  # [batch, 1, q, kv_len]
+        features = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, slots, write_pos, kv_len, mask)
+            if i in feature_layers:
+                features.append(x)
+        if logits_index is not None:
+            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+        logits = self.lm_head(self.norm(x)).float()
+        if not feature_layers:
+            return logits, None
+        ordered = [features[sorted(feature_layers).index(i)] for i in feature_layers]
+        return logits, torch.cat(ordered, dim=-1)
+
+
+def read_hf_config(path) -> dict:
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in model path {path!s}")
+    return json.loads(config_file.read_text())
+
+
+def load_safetensors_dir(path) -> dict:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!s}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def fuse_hf_weights(state: dict, config: ModelConfig) -> dict:
+    """Map Hugging Face names to ours: strip `model.`, fuse q/k/v and gate/up projections."""
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    for i in range(config.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            names = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
+            if names[0] in state:
+                state[f"{p}self_attn.qkv.{kind}"] = torch.cat([state.pop(n) for n in names])
+        state[f"{p}mlp.gate_up.weight"] = torch.cat(
+            [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
+        )
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def load_target(path, dtype=torch.float32, device="cpu") -> TargetModel:
+    """Load a Llama-family Hugging Face checkpoint folder (config.json + *.safetensors)."""
+    config = ModelConfig.from_hf(read_hf_config(path))
+    with torch.device("meta"):
+        model = TargetModel(config)
+    state = fuse_hf_weights(load_safetensors_dir(path), config)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint {path!s} lacks weights: {missing[:5]}")
+    model.rotary = Rotary(config)
+    return model.to(device=device, dtype=dtype).eval()
