@@ -1,0 +1,246 @@
+"""The DFlash drafter: a few non-causal Qwen3-style layers that fill a block of masked positions
+in one forward pass, conditioned on the target's hidden states through K/V injection.
+
+It owns its layers, its config and the z-lab checkpoint format (config.json + model.safetensors).
+It borrows the target's embedding table and LM head at call time and stores neither.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.kv_cache import KVCache
+from engine.model import ModelConfig, RMSNorm, Rotary, apply_rotary, read_hf_config
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's choice: round(1 + i * (L - 4) / (n - 1)); one draft layer reads L // 2."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    mask_token_id: int
+    block_size: int = 16
+    target_layer_ids: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 40960
+
+    def __post_init__(self):
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_layers)
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, num_layers=1, mask_token_id=0, block_size=16, **kw):
+        """A drafter shaped like `target` (same hidden size, heads and RoPE)."""
+        return cls(
+            hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+            num_layers=num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim, vocab_size=target.vocab_size,
+            num_target_layers=target.num_layers, mask_token_id=mask_token_id, block_size=block_size,
+            rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings, **kw,
+        )
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DrafterConfig":
+        base = ModelConfig.from_hf(dict(hf, model_type="qwen3"))
+        dflash = hf.get("dflash_config", {})
+        return cls(
+            hidden_size=base.hidden_size, intermediate_size=base.intermediate_size,
+            num_layers=base.num_layers, num_heads=base.num_heads, num_kv_heads=base.num_kv_heads,
+            head_dim=base.head_dim, vocab_size=base.vocab_size,
+            num_target_layers=hf["num_target_layers"],
+            mask_token_id=dflash.get("mask_token_id", hf.get("mask_token_id")),
+            block_size=int(dflash.get("block_size", hf.get("block_size", 16))),
+            target_layer_ids=list(dflash.get("target_layer_ids", hf.get("target_layer_ids", []))),
+            rms_norm_eps=base.rms_norm_eps, rope_theta=base.rope_theta, rope_scaling=base.rope_scaling,
+            max_position_embeddings=base.max_position_embeddings,
+        )
+
+    def to_hf(self) -> dict:
+        """A Qwen3 config plus DFlash's fields: what z-lab's DFlashDraftModel reads."""
+        rope = dict(self.rope_scaling or {"rope_type": "default"}, rope_theta=self.rope_theta)
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": False,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "block_size": self.block_size,
+                "target_layer_ids": self.target_layer_ids,
+            },
+        }
+
+    def rope_config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+        )
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, ctx, rope, cache, layer, slots, write_pos, kv_len, mask):
+        """x [batch, b, hidden] block; ctx [batch, c, hidden] projected target features."""
+        batch, b, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).view(batch, b, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos[:, :, -b:], sin[:, :, -b:])
+        kv_in = torch.cat([ctx, x], dim=1)  # context keys come from the SAME k/v projections
+        k = self.k_norm(self.k_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim))
+        k = apply_rotary(k.transpose(1, 2), cos, sin)
+        v = self.v_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cache.write(layer, slots, write_pos, k, v)
+        keys, values = cache.read(layer, slots, kv_len)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, b, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DrafterConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = DraftAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = DraftMLP(c)
+
+    def forward(self, x, ctx, *attn_args):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Drafter(nn.Module):
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config.rope_config())
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    @property
+    def device(self):
+        return self.fc.weight.device
+
+    def new_cache(self, num_slots, max_len) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def forward(self, ctx_features, block_embeds, positions, cache, slots, kv_len, block_end):
+        """One denoising pass over a block; writes context (and stale block) keys to the cache.
+
+        ctx_features [batch, c, n_target_layers * hidden]: target features not yet seen (c may be 0)
+        block_embeds [batch, b, hidden]: target embeddings of [last token, MASK, ...]
+        positions    [batch, c + b] long: context then block positions, -1 = padding
+        block_end    [batch] long: one past each row's last block position
+        returns the block's final hidden states [batch, b, hidden]
+        """
+        ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
+        x = block_embeds.to(self.dtype)
+        rope = self.rotary(positions.clamp_min(0), x.dtype)
+        write_pos = torch.where(positions >= 0, positions, cache.max_len)
+        key_pos = torch.arange(kv_len, device=x.device)
+        mask = (key_pos < block_end[:, None])[:, None, None]  # [batch, 1, 1, kv_len]: non-causal
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope, cache, i, slots, write_pos, kv_len, mask)
+        return self.norm(x)
+
+
+def check_drafter_fits(drafter_config: DrafterConfig, target_config: ModelConfig):
+    c, t = drafter_config, target_config
+    if c.hidden_size != t.hidden_size:
+        raise ValueError(f"drafter hidden size {c.hidden_size} does not match the target's {t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        raise ValueError(f"drafter vocabulary {c.vocab_size} does not match the target's {t.vocab_size}")
+    if c.num_target_layers != t.num_layers or max(c.target_layer_ids) >= t.num_layers:
+        raise ValueError(
+            f"drafter reads target layers {c.target_layer_ids} of {c.num_target_layers}, "
+            f"but the target has {t.num_layers} layers"
+        )
+    if not 0 <= c.mask_token_id < t.vocab_size:
+        raise ValueError(f"drafter mask token {c.mask_token_id} is outside the target vocabulary")
+
+
+def load_drafter(path, dtype=torch.float32, device="cpu") -> Drafter:
+    """Load a z-lab format drafter folder (config.json + model.safetensors)."""
+    config = DrafterConfig.from_hf(read_hf_config(path))
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in drafter path {path!s}")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    drafter = Drafter(config)
+    drafter.load_state_dict(state)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def save_drafter(drafter: Drafter, path, dtype=torch.bfloat16):
+    """Save in z-lab format; z-lab's DFlashDraftModel.from_pretrained loads the result."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(drafter.config.to_hf(), dtype=str(dtype).removeprefix("torch."))
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})

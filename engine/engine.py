@@ -1,0 +1,396 @@
+"""The speculative decoding engine: a batch of requests, each with its own sampling parameters
+and block size, stepped through prefill -> draft -> verify -> accept -> commit.
+
+It owns the requests' KV-cache slots and committed tokens. It knows nothing about HTTP or
+tokenization, except an optional `decode` callable used only to find stop strings.
+Invariant per running request: the target slot holds positions 0..num_cached-1, where
+num_cached = len(prompt) + len(output) - 1 (the last token is not yet run through the target);
+the drafter slot holds context entries for positions below num_cached - len(pending features).
+"""
+
+import itertools
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.policy import BlockPolicy, FixedBlockPolicy
+from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
+from engine.stats import SpecStats
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    block_size: int | None = None  # None: the engine's policy decides; 1: no speculation
+
+    def validate(self):
+        t, p = self.temperature, self.top_p
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {t!r}")
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    target_slot: int = -1
+    draft_slot: int = -1
+    num_cached: int = 0
+    pending_features: torch.Tensor | None = None  # [c, n_layers * hidden]
+    generator: torch.Generator | None = None
+    stats: SpecStats = field(default_factory=SpecStats)
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step
+    finish_reason: str | None = None
+
+    @property
+    def finished(self):
+        return self.finish_reason is not None
+
+    @property
+    def last_token(self):
+        return self.output_ids[-1]
+
+
+@dataclass
+class StepOutput:
+    request_id: int
+    new_token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class DraftBlock:
+    """What the drafter proposes for a batch: drafts for block positions 1..b-1."""
+
+    block_ids: torch.Tensor  # [batch, b_max] long: last token then drafts (padding past block_sizes)
+    draft_probs: torch.Tensor | None  # [batch, b_max - 1, vocab] for sampling rows, else None
+    block_sizes: list[int]
+
+
+class Engine:
+    def __init__(
+        self,
+        target,
+        drafter=None,
+        *,
+        max_slots: int = 8,
+        max_len: int = 2048,
+        policy: BlockPolicy | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        denoising_steps: int = 1,
+    ):
+        if drafter is not None:
+            from engine.drafter import check_drafter_fits
+
+            check_drafter_fits(drafter.config, target.config)
+        if denoising_steps < 1:
+            raise ValueError(f"denoising_steps must be >= 1, got {denoising_steps}")
+        self.target, self.drafter = target, drafter
+        self.max_len = min(max_len, target.config.max_position_embeddings)
+        self.device = target.device
+        self.target_cache = target.new_cache(max_slots, self.max_len)
+        self.draft_cache = drafter.new_cache(max_slots, self.max_len) if drafter is not None else None
+        default_block = drafter.config.block_size if drafter is not None else 1
+        self.policy = policy or FixedBlockPolicy(default_block)
+        self.feature_layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.decode = decode
+        self.denoising_steps = denoising_steps
+        self.stats = SpecStats()
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and admit a request; fails before any work and holds no slot on error."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) + params.max_tokens > self.max_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length {self.max_len}"
+            )
+        if max(prompt_ids) >= self.target.config.vocab_size or min(prompt_ids) < 0:
+            raise ValueError("the prompt has token ids outside the vocabulary")
+        if self.target_cache.num_used >= self.target_cache.num_slots:
+            raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
+        request = Request(next(self._ids), list(prompt_ids), params)
+        if params.seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+        request.target_slot = self.target_cache.allocate()
+        if self.drafter is not None:
+            request.draft_slot = self.draft_cache.allocate()
+        self.requests[request.request_id] = request
+        return request
+
+    def release(self, request: Request):
+        """Free a request's slots in both caches (finished, aborted or failed)."""
+        if self.requests.pop(request.request_id, None) is None:
+            return
+        self.target_cache.free(request.target_slot)
+        if request.draft_slot >= 0:
+            self.draft_cache.free(request.draft_slot)
+        request.pending_features = None
+
+    def abort(self, request_id: int):
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.finish_reason = request.finish_reason or "abort"
+            self.release(request)
+
+    @property
+    def num_running(self):
+        return len(self.requests)
+
+    # ---- one engine step -----------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        """Prefill new requests, or run one speculative step for every running request."""
+        new = [r for r in self.requests.values() if not r.output_ids]
+        if new:
+            return self._finish_step(new, self.prefill(new), speculative=False)
+        running = list(self.requests.values())
+        if not running:
+            return []
+        block_sizes = self.policy.choose(running, [self._block_cap(r) for r in running])
+        draft = self.draft(running, block_sizes)
+        num_accepted, next_ids, features = self.verify(running, draft)
+        committed = [ids[: a + 1] for ids, a in zip(next_ids, num_accepted)]
+        for i, r in enumerate(running):
+            r.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
+            self.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
+            self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
+        return self._finish_step(running, committed)
+
+    def _block_cap(self, r: Request) -> int:
+        """The largest block this request may verify: its own block size and its remaining budget."""
+        if self.drafter is None:
+            return 1
+        cap = r.params.block_size or self.drafter.config.block_size
+        return max(1, min(cap, r.params.max_tokens - len(r.output_ids) + 1))
+
+    def prefill(self, requests: list[Request]) -> list[list[int]]:
+        """Run prompts through the target; sample each request's first token."""
+        lengths = [len(r.prompt_ids) for r in requests]
+        width = max(lengths)
+        input_ids = torch.zeros(len(requests), width, dtype=torch.long)
+        positions = torch.full((len(requests), width), -1, dtype=torch.long)
+        for i, r in enumerate(requests):
+            input_ids[i, : lengths[i]] = torch.tensor(r.prompt_ids)
+            positions[i, : lengths[i]] = torch.arange(lengths[i])
+        last = torch.tensor(lengths)[:, None] - 1
+        logits, features = self.target(
+            input_ids.to(self.device), positions.to(self.device), self.target_cache,
+            self._slots(requests, "target_slot"), width, self.feature_layers, last.to(self.device),
+        )
+        first = self._sample_next(requests, logits)
+        for i, r in enumerate(requests):
+            r.num_cached = lengths[i]
+            self.target_cache.crop(r.target_slot, lengths[i])
+            if features is not None:
+                r.pending_features = features[i, : lengths[i]]
+        return [[t] for t in first]
+
+    @torch.inference_mode()
+    def draft(self, requests: list[Request], block_sizes: list[int]) -> DraftBlock:
+        """Fill each request's block [last token, MASK...] with drafts in one drafter pass."""
+        b_max = max(block_sizes)
+        block_ids = torch.tensor([[r.last_token] for r in requests], device=self.device)
+        if b_max == 1:
+            return DraftBlock(block_ids, None, block_sizes)
+        mask_id = self.drafter.config.mask_token_id
+        block_ids = torch.cat([block_ids, torch.full((len(requests), b_max - 1), mask_id, device=self.device)], 1)
+        ctx_width = max(r.pending_features.shape[0] for r in requests)
+        ctx = torch.zeros(len(requests), ctx_width, self.target_features_dim, dtype=self.drafter.dtype, device=self.device)
+        positions = torch.full((len(requests), ctx_width + b_max), -1, dtype=torch.long)
+        for i, r in enumerate(requests):
+            c = r.pending_features.shape[0]
+            ctx[i, :c] = r.pending_features
+            positions[i, :c] = torch.arange(r.num_cached - c, r.num_cached)
+            positions[i, ctx_width : ctx_width + block_sizes[i]] = torch.arange(r.num_cached, r.num_cached + block_sizes[i])
+        positions = positions.to(self.device)
+        block_end = torch.tensor([r.num_cached + b for r, b in zip(requests, block_sizes)], device=self.device)
+        slots = self._slots(requests, "draft_slot")
+        kv_len = max(r.num_cached for r in requests) + b_max
+        sampling = self._sampling_rows(requests)
+        for step in range(self.denoising_steps):
+            if step > 0:  # re-mask the least confident drafts and fill them again; context is cached
+                remask = self._remask(confidence, block_sizes, step)
+                block_ids[:, 1:] = torch.where(remask, mask_id, drafts)
+                ctx, positions = ctx[:, :0], positions[:, ctx_width:]
+            hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
+            logits = self.target.lm_head(hidden[:, 1:]).float()  # [batch, b_max - 1, vocab]
+            ids, q, conf = self._propose(requests, logits, sampling)
+            if step == 0:
+                drafts, probs, confidence = ids, q, conf
+            else:
+                drafts = torch.where(remask, ids, drafts)
+                confidence = torch.where(remask, conf, confidence)
+                probs = None if q is None else torch.where(remask[..., None], q, probs)
+        block_ids[:, 1:] = drafts
+        for r in requests:
+            self.draft_cache.crop(r.draft_slot, r.num_cached)
+            r.pending_features = None
+        return DraftBlock(block_ids, probs, block_sizes)
+
+    @property
+    def target_features_dim(self):
+        return len(self.feature_layers) * self.target.config.hidden_size
+
+    def _remask(self, confidence, block_sizes, step):
+        """Which drafts to redraft in pass `step`: the least confident half, then a quarter, ..."""
+        sizes = torch.tensor(block_sizes, device=confidence.device)[:, None]
+        drafted = torch.arange(confidence.shape[1], device=confidence.device) < sizes - 1
+        ranks = torch.where(drafted, confidence, torch.inf).argsort(dim=1).argsort(dim=1)  # 0 = least sure
+        num = (sizes - 1) >> step
+        return ranks < num
+
+    def _propose(self, requests, logits, sampling):
+        """Draft ids [batch, n] and, for sampling rows, the distributions they were drawn from."""
+        greedy_ids = logits.argmax(dim=-1)
+        confidence = logits.softmax(dim=-1).amax(dim=-1)
+        if not sampling.any():
+            return greedy_ids, None, confidence
+        probs = self._probs(requests, logits)
+        sampled = sample(probs, [r.generator for r in requests])
+        ids = torch.where(sampling[:, None], sampled, greedy_ids)
+        return ids, probs, confidence
+
+    @torch.inference_mode()
+    def verify(self, requests: list[Request], draft: DraftBlock):
+        """Run the block through the target and accept: returns accepted counts, tokens, features."""
+        b_max = draft.block_ids.shape[1]
+        offsets = torch.arange(b_max)
+        positions = torch.stack([
+            torch.where(offsets < b, r.num_cached + offsets, -1) for r, b in zip(requests, draft.block_sizes)
+        ]).to(self.device)
+        kv_len = max(r.num_cached for r in requests) + b_max
+        logits, features = self.target(
+            draft.block_ids, positions, self.target_cache, self._slots(requests, "target_slot"), kv_len, self.feature_layers,
+        )
+        num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
+        draft_ids = draft.block_ids[:, 1:]
+        num_accepted, next_ids = verify_greedy(draft_ids, logits, num_draft)
+        sampling = self._sampling_rows(requests)
+        if sampling.any():
+            rows = sampling.nonzero()[:, 0]
+            sub = [requests[i] for i in rows.tolist()]
+            target_probs = self._probs(sub, logits[rows])
+            draft_probs = draft.draft_probs[rows] if draft.draft_probs is not None else target_probs[:, :0]
+            acc, nxt = verify_rejection(draft_ids[rows], draft_probs, target_probs, num_draft[rows], [r.generator for r in sub])
+            num_accepted, next_ids = num_accepted.clone(), next_ids.clone()
+            num_accepted[rows], next_ids[rows] = acc, nxt
+        return num_accepted.tolist(), next_ids.tolist(), features
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _commit(self, r: Request, num_new: int, features):
+        """Keep the block's first `num_new` positions in the target cache, queue their features."""
+        r.num_cached += num_new
+        self.target_cache.crop(r.target_slot, r.num_cached)
+        if features is not None:
+            new = features[:num_new]
+            r.pending_features = new if r.pending_features is None else torch.cat([r.pending_features, new])
+
+    def _finish_step(self, requests, committed, speculative=True) -> list[StepOutput]:
+        outputs = []
+        for r, new in zip(requests, committed):
+            new = new[: r.params.max_tokens - len(r.output_ids)]
+            stops = set(r.params.stop_token_ids) | set(self.stop_token_ids)
+            for j, t in enumerate(new):
+                if t in stops:
+                    new, r.finish_reason = new[: j + 1], "stop"
+                    break
+            r.output_ids += new
+            if speculative:
+                r.acceptance_lengths.append(len(new))
+            if r.finish_reason is None and r.params.stop and self.decode is not None:
+                if any(s in self.decode(r.output_ids) for s in r.params.stop):
+                    r.finish_reason = "stop"
+            if r.finish_reason is None and len(r.output_ids) >= r.params.max_tokens:
+                r.finish_reason = "length"
+            if r.finished:
+                self.release(r)
+            outputs.append(StepOutput(r.request_id, new, r.finish_reason))
+        return outputs
+
+    def _slots(self, requests, name):
+        return torch.tensor([getattr(r, name) for r in requests], device=self.device)
+
+    def _sampling_rows(self, requests):
+        return torch.tensor([r.params.temperature > 0 for r in requests], device=self.device)
+
+    def _probs(self, requests, logits):
+        """Sampling distributions for [batch, n, vocab] logits with each row's own parameters."""
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=device)
+        top_k = torch.tensor([r.params.top_k for r in requests], device=device)
+        top_p = torch.tensor([float(r.params.top_p) for r in requests], device=device)
+        return sampling_probs(logits, temperature, top_k, top_p)
+
+    def _sample_next(self, requests, logits):
+        """The next token from [batch, 1, vocab] logits: argmax or a sample, per request."""
+        empty = torch.zeros(len(requests), 0, dtype=torch.long, device=logits.device)
+        num_draft = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
+        _, next_ids = verify_greedy(empty, logits, num_draft)
+        sampling = self._sampling_rows(requests)
+        if sampling.any():
+            rows = sampling.nonzero()[:, 0]
+            sub = [requests[i] for i in rows.tolist()]
+            probs = self._probs(sub, logits[rows])
+            _, sampled = verify_rejection(empty[rows], probs[:, :0], probs, num_draft[rows], [r.generator for r in sub])
+            next_ids = next_ids.clone()
+            next_ids[rows] = sampled
+        return next_ids[:, 0].tolist()
+
+    # ---- convenience drivers -------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[list[int]]:
+        """Stream one request's tokens as they are committed (other requests may share steps)."""
+        request = self.add_request(prompt_ids, params)
+        try:
+            while not request.finished:
+                for out in self.step():
+                    if out.request_id == request.request_id and out.new_token_ids:
+                        yield out.new_token_ids
+        finally:
+            self.abort(request.request_id)
+
+    def generate_batch(self, prompts: list[list[int]], params) -> list[Request]:
+        """Run several requests to completion in one batch (admitting as slots free up)."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        for p in params:
+            p.validate()
+        queue, done, running = list(zip(prompts, params)), [], []
+        try:
+            while queue or running:
+                while queue and self.target_cache.num_used < self.target_cache.num_slots:
+                    running.append(self.add_request(*queue.pop(0)))
+                self.step()
+                done += [r for r in running if r.finished]
+                running = [r for r in running if not r.finished]
+        finally:
+            for r in running:
+                self.abort(r.request_id)
+        return sorted(done, key=lambda r: r.request_id)

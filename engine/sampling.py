@@ -1,0 +1,136 @@
+"""Sampling maths: temperature/top-k/top-p distributions, per-request seeded sampling, and lossless
+verification of drafted blocks (greedy, and speculative rejection sampling, Leviathan et al. 2023,
+arXiv 2211.17192). Pure batched tensor functions; knows nothing about models or caches.
+
+Shapes: B = batch rows, n = positions, K = drafts per row (block - 1), V = vocab.
+Randomness comes only from the per-row generators passed in (None -> global RNG). A row's draws
+depend only on its own generator and the padded shapes (K, V), so a seeded request is reproducible
+whatever shares its batch, as long as the block padding width is fixed (e.g. the model block size).
+Generators must live on the device of the tensors.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Generators = Optional[Sequence[Optional[torch.Generator]]]
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def sampling_probs(logits, temperature, top_k, top_p):
+    """Probabilities after temperature, then top-k, then top-p (float32, each row sums to 1).
+
+    logits:      [B, n, V] (any float dtype; [B, V] works too)
+    temperature: [B] float, must be > 0 (greedy rows: callers argmax, or use top_k=1)
+    top_k:       [B] long, <= 0 disables
+    top_p:       [B] float, >= 1 disables; keeps the smallest most-probable set with mass >= top_p
+                 (measured after top-k renormalisation), always at least the top token.
+    Scalars are accepted for the three parameters and broadcast to every row.
+    """
+    vocab = logits.shape[-1]
+    rows = (-1,) + (1,) * (logits.dim() - 1)  # broadcast a [B] parameter over [B, ..., V]
+    temperature = torch.as_tensor(temperature, device=logits.device).float().view(rows)
+    top_k = torch.as_tensor(top_k, device=logits.device).view(rows)
+    top_p = torch.as_tensor(top_p, device=logits.device).float().view(rows)
+
+    # stable sort: ties keep the lowest id first, so top_k=1 agrees with argmax
+    sorted_logits, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)
+    keep = (rank < top_k) | (top_k <= 0)                                      # [B, 1, V]
+    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)      # [B, n, V]
+    keep = keep & ((probs.cumsum(-1) - probs < top_p) | (top_p >= 1))
+    keep[..., 0] = True
+    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def _rows(fill: Callable, shape, generators: Generators, device) -> torch.Tensor:
+    """float32 tensor of `shape` ([B, ...]) filled in place by `fill`, row b from generators[b]."""
+    out = torch.empty(shape, device=device, dtype=torch.float32)
+    if generators is None:
+        return fill(out)
+    assert len(generators) == shape[0], "one generator (or None) per row"
+    for row, gen in zip(out, generators):
+        fill(row, generator=gen)
+    return out
+
+
+def uniform_rows(shape, generators: Generators = None, device=None) -> torch.Tensor:
+    """U[0, 1) draws of `shape` = [B, ...]; row b drawn from generators[b]."""
+    return _rows(torch.Tensor.uniform_, shape, generators, device)
+
+
+def sample(probs, generators: Generators = None) -> torch.Tensor:
+    """Sample ids [B, n] (long) from probs [B, n, V] ([B, V] -> [B]).
+
+    Exponential race (as gpt-fast): argmax_i p_i / E_i with E_i ~ Exp(1) iid picks i with
+    probability p_i; each row's noise is drawn from its own generator. Zero-probability ids are
+    never picked.
+    """
+    noise = _rows(torch.Tensor.exponential_, probs.shape, generators, probs.device)
+    return (probs / noise.clamp_min(_TINY)).argmax(-1)
+
+
+def _accepted_prefix(ok, num_draft):
+    """Length [B] of the leading run of True in ok [B, K], positions >= num_draft [B] never count."""
+    pos = torch.arange(ok.shape[1], device=ok.device)
+    ok = ok & (pos < num_draft[:, None])
+    return ((~ok).cumsum(-1) == 0).sum(-1)
+
+
+def _zero_tail(ids, num_accepted):
+    """Zero ids [B, K+1] after position num_accepted [B] (the bonus token's slot)."""
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    return ids.masked_fill(pos > num_accepted[:, None], 0)
+
+
+def verify_greedy(draft_ids, target_logits, num_draft):
+    """Accept the longest prefix of drafts equal to the target argmax; bonus = target argmax there.
+
+    draft_ids:     [B, K] long, tokens for block positions 1..K
+    target_logits: [B, K+1, V], position i predicts the token at position i+1
+    num_draft:     [B] long, valid drafts per row; entries past it are padding, never accepted
+    Returns num_accepted [B] long in [0, num_draft] and next_ids [B, K+1] long holding the accepted
+    drafts then the bonus token in positions 0..num_accepted (zeros after). No host sync.
+    """
+    target_ids = target_logits.argmax(-1)                                        # [B, K+1]
+    num_accepted = _accepted_prefix(draft_ids == target_ids[:, :-1], num_draft)  # [B]
+    # accepted drafts equal the argmax, so the target ids already are the emitted tokens
+    return num_accepted, _zero_tail(target_ids, num_accepted)
+
+
+def verify_rejection(draft_ids, draft_probs, target_probs, num_draft, generators: Generators = None):
+    """Speculative rejection sampling: the emitted tokens are distributed exactly as under p.
+
+    draft_ids:    [B, K] long, draft i was sampled from draft_probs[:, i]
+    draft_probs:  [B, K, V] q, the exact (post temperature/top-k/top-p) draft distributions
+    target_probs: [B, K+1, V] p, target distributions (same processing); position i predicts i+1
+    num_draft:    [B] long, valid drafts per row; padding past it is never accepted
+    generators:   per-row generators (None -> global RNG); row b draws K uniforms then V noise
+    Draft i is accepted w.p. min(1, p_i(y)/q_i(y)); at the first rejection a the token is drawn from
+    normalize(max(0, p_a - q_a)) (p_a if that is all zero); if all num_draft drafts are accepted
+    the bonus is drawn from p at position num_draft. Returns (num_accepted [B], next_ids [B, K+1])
+    as verify_greedy. No host sync.
+    """
+    batch, k = draft_ids.shape
+    rows = torch.arange(batch, device=draft_ids.device)
+    y = draft_ids.unsqueeze(-1)
+    p_y = target_probs[:, :k].gather(-1, y).squeeze(-1)                           # [B, K]
+    q_y = draft_probs.gather(-1, y).squeeze(-1)                                   # [B, K]
+    u = uniform_rows((batch, k), generators, draft_ids.device)                    # [B, K]
+    num_accepted = _accepted_prefix(u * q_y < p_y, num_draft)                     # [B]
+
+    # distribution of the token at position num_accepted: residual after a rejection, else p
+    p_a = target_probs[rows, num_accepted]                                        # [B, V]
+    rejected = (num_accepted < num_draft)[:, None]                                # [B, 1]
+    q_a = draft_probs[rows, num_accepted.clamp(max=k - 1)] if k else torch.zeros_like(p_a)
+    residual = (p_a - q_a * rejected).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(_TINY), p_a)
+    bonus = sample(residual, generators)                                          # [B]
+
+    next_ids = F.pad(draft_ids, (0, 1)).scatter(1, num_accepted[:, None], bonus[:, None])
+    return num_accepted, _zero_tail(next_ids, num_accepted)

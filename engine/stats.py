@@ -1,0 +1,74 @@
+"""Speculative-decoding statistics with vLLM's definitions; exporters live elsewhere.
+
+acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts;
+per-position acceptance = accepted_per_pos / drafts.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    reached_per_pos: list[int] = field(default_factory=list)  # drafted with all before accepted
+    block_sizes: dict[int, int] = field(default_factory=dict)
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted: int):
+        """One verified block with `num_draft_tokens` drafts of which the first `num_accepted` held."""
+        self.block_sizes[num_draft_tokens + 1] = self.block_sizes.get(num_draft_tokens + 1, 0) + 1
+        if num_draft_tokens == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        grow = num_draft_tokens - len(self.reached_per_pos)
+        if grow > 0:
+            self.reached_per_pos += [0] * grow
+            self.accepted_per_pos += [0] * grow
+        for i in range(min(num_accepted + 1, num_draft_tokens)):
+            self.reached_per_pos[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats"):
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for name in ("accepted_per_pos", "reached_per_pos"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine += [0] * (len(theirs) - len(mine))
+            for i, n in enumerate(theirs):
+                mine[i] += n
+        for b, n in other.block_sizes.items():
+            self.block_sizes[b] = self.block_sizes.get(b, 0) + n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """vLLM's definition: accepted at position i / number of drafts."""
+        return [n / max(self.num_drafts, 1) for n in self.accepted_per_pos]
+
+    def conditional_acceptance(self) -> list[float]:
+        """P(position i accepted | position i drafted and every position before it accepted)."""
+        return [acc / max(reached, 1) for acc, reached in zip(self.accepted_per_pos, self.reached_per_pos)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "block_sizes": dict(sorted(self.block_sizes.items())),
+        }

@@ -1,0 +1,229 @@
+"""engine.model.TargetModel against transformers' own Llama/Mistral/Qwen2/Qwen3, and KVCache bookkeeping.
+
+Checkpoints are tiny random models built from config objects and saved to a temp folder (no hub);
+the default-model check is marked slow. Nothing here knows about drafting or serving.
+"""
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from engine.kv_cache import KVCache
+from engine.model import load_target
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, initializer_range=0.1,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+    original_max_position_embeddings=32,
+)
+ARCHS = {
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**COMMON, attention_bias=True)),
+    "llama3-tied": (LlamaForCausalLM, lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**COMMON)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**COMMON)),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**COMMON, head_dim=32)),
+}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_hf(arch, **overrides):
+    """A random HF model; norm weights and biases are randomized too (HF inits them to 1 and 0)."""
+    cls, make_config = ARCHS[arch]
+    config = make_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def checkpoint(request, tmp_path_factory):
+    """(HF float32 reference model, folder holding its safetensors checkpoint)."""
+    hf = random_hf(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return hf, path
+
+
+@pytest.fixture(scope="module", params=DTYPES, ids=["fp32", "bf16"])
+def pair(request, checkpoint):
+    """(HF float32 reference, our model loaded from the checkpoint in the param dtype)."""
+    hf, path = checkpoint
+    return hf, load_target(path, request.param)
+
+
+@torch.no_grad()
+def hf_logits(hf, ids):
+    """ids [n] -> HF's logits [n, vocab] for that sequence alone."""
+    return hf(input_ids=ids[None]).logits[0].float()
+
+
+def assert_logits_match(ours, ref, dtype):
+    """ours, ref [..., vocab]. Tight in float32; in bfloat16 errors are bounded relative to the logit
+    scale and each argmax picks a token whose reference logit is within that bound of the best."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        return
+    tol = 0.05 * ref.abs().max().item()
+    assert (ours - ref).abs().max().item() <= tol
+    picked = ref.gather(-1, ours.argmax(-1, keepdim=True))[..., 0]
+    assert (picked >= ref.max(-1).values - tol).all()
+
+
+@torch.no_grad()
+def step(model, cache, slots, rows, starts, **kw):
+    """Run rows (list of [n_i] long) for slots at first positions `starts` in one padded call.
+
+    Returns logits [batch, q, vocab] (or [batch, k, vocab] with logits_index) and features."""
+    q = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), q, dtype=torch.long)
+    positions = torch.full((len(rows), q), -1, dtype=torch.long)
+    for i, (row, start) in enumerate(zip(rows, starts)):
+        ids[i, : len(row)] = row
+        positions[i, : len(row)] = torch.arange(start, start + len(row))
+        cache.crop(slots[i], start + len(row))
+    return model(ids, positions, cache, torch.tensor(slots), int(positions.max()) + 1, **kw)
+
+
+def tokens(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_prompt_forward(pair):
+    hf, model = pair
+    cache = model.new_cache(2, 64)
+    ids = tokens(24, 1)
+    logits, features = step(model, cache, [cache.allocate()], [ids], [0])
+    assert logits.dtype == torch.float32 and features is None
+    assert_logits_match(logits[0], hf_logits(hf, ids), model.dtype)
+
+
+def test_padded_batch_in_noncontiguous_slots(pair):
+    hf, model = pair
+    cache = model.new_cache(6, 64)
+    slots = [cache.allocate() for _ in range(6)]
+    for s in (0, 2, 3):
+        cache.free(s)
+    rows = [tokens(n, n) for n in (7, 3, 5)]
+    chosen = [slots[5], slots[1], slots[4]]
+    logits, _ = step(model, cache, chosen, rows, [0, 0, 0])
+    for i, row in enumerate(rows):
+        assert_logits_match(logits[i, : len(row)], hf_logits(hf, row), model.dtype)
+    untouched = [s for s in range(6) if s not in chosen]
+    assert cache.k[:, untouched, :, :-1].abs().sum() == 0  # padding only hits the trash column
+
+
+def test_incremental_decode_matches_full_sequence(pair):
+    hf, model = pair
+    cache = model.new_cache(4, 64)
+    slots = [cache.allocate() for _ in range(3)]
+    full = [tokens(30, 10 + i) for i in range(3)]
+    lengths = [9, 4, 6]
+    step(model, cache, slots, [f[:n] for f, n in zip(full, lengths)], [0, 0, 0])
+    refs = [hf_logits(hf, f) for f in full]
+    # (tokens per row) per call: 1-token steps, 4-token blocks, and a mixed call padded to 4
+    for sizes in ([1, 1, 1], [4, 4, 4], [1, 1, 1], [4, 1, 2], [4, 4, 4]):
+        rows = [f[n : n + k] for f, n, k in zip(full, lengths, sizes)]
+        logits, _ = step(model, cache, slots, rows, lengths)
+        for i, (n, k) in enumerate(zip(lengths, sizes)):
+            assert_logits_match(logits[i, :k], refs[i][n : n + k], model.dtype)
+        lengths = [n + k for n, k in zip(lengths, sizes)]
+
+
+def test_crop_then_rewrite_equals_fresh_run(pair):
+    hf, model = pair
+    cache = model.new_cache(2, 64)
+    slot = cache.allocate()
+    prompt, rejected, accepted = tokens(10, 20), tokens(4, 21), tokens(2, 22)
+    step(model, cache, [slot], [prompt], [0])
+    step(model, cache, [slot], [rejected], [10])
+    cache.crop(slot, 10)
+    assert cache.lengths[slot] == 10
+    logits, _ = step(model, cache, [slot], [accepted], [10])
+    next_token = tokens(1, 23)
+    logits2, _ = step(model, cache, [slot], [next_token], [12])
+    ref = hf_logits(hf, torch.cat([prompt, accepted, next_token]))
+    assert_logits_match(logits[0], ref[10:12], model.dtype)
+    assert_logits_match(logits2[0], ref[12:13], model.dtype)
+
+
+@pytest.mark.parametrize("layers", [(1, 3), (3, 1)])
+def test_feature_layers_are_hf_hidden_states(tmp_path, layers):
+    # 5 layers so layer 3 is not the last: HF's hidden_states[-1] is the final-normed output.
+    hf = random_hf("llama", num_hidden_layers=5)
+    hf.save_pretrained(tmp_path)
+    model = load_target(tmp_path)
+    cache = model.new_cache(1, 32)
+    ids = tokens(12, 30)
+    _, features = step(model, cache, [cache.allocate()], [ids], [0], feature_layers=layers)
+    with torch.no_grad():
+        hidden = hf(input_ids=ids[None], output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[k + 1] for k in layers], dim=-1)
+    assert features.shape == (1, 12, 2 * 64)
+    torch.testing.assert_close(features, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_index_gathers(checkpoint):
+    _, path = checkpoint
+    model = load_target(path)
+    rows = [tokens(6, 40), tokens(4, 41)]
+    index = torch.tensor([[5, 0], [3, 1]])
+    full_cache, cache = model.new_cache(2, 16), model.new_cache(2, 16)
+    full, _ = step(model, full_cache, [0, 1], rows, [0, 0])
+    gathered, _ = step(model, cache, [0, 1], rows, [0, 0], logits_index=index)
+    assert gathered.shape == (2, 2, 256)
+    torch.testing.assert_close(gathered, full.gather(1, index[..., None].expand(-1, -1, 256)))
+
+
+def test_kv_cache_bookkeeping():
+    cache = KVCache(2, 3, 8, 2, 4, torch.float32, "cpu")
+    assert (cache.num_slots, cache.num_used, cache.max_len) == (3, 0, 8)
+    assert cache.k.shape == (2, 3, 2, 9, 4)  # one trash column past max_len
+    assert [cache.allocate() for _ in range(3)] == [0, 1, 2]
+    assert cache.num_used == 3
+    with pytest.raises(RuntimeError, match="all 3 KV-cache slots are in use"):
+        cache.allocate()
+    cache.crop(1, 5)
+    assert cache.lengths == [0, 5, 0]
+    cache.free(1)
+    assert cache.lengths[1] == 0 and cache.num_used == 2
+    with pytest.raises(ValueError, match="already free"):
+        cache.free(1)
+    assert cache.allocate() == 1 and cache.num_used == 3
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers():
+    from transformers import AutoModelForCausalLM
+
+    from engine.default_model import default_model_path
+
+    path = default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+    model = load_target(path)
+    ids = tokens(16, 50) + 100
+    cache = model.new_cache(1, 32)
+    slot = cache.allocate()
+    prefill, _ = step(model, cache, [slot], [ids[:12]], [0])
+    block, _ = step(model, cache, [slot], [ids[12:]], [12])
+    ours = torch.cat([prefill[0], block[0]])
+    torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-3, rtol=1e-3)
