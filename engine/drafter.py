@@ -177,11 +177,11 @@ class Drafter(nn.Module):
 
     @property
     def dtype(self):
-        return self.fc.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self):
-        return self.fc.weight.device
+        return self.norm.weight.device
 
     def new_cache(self, num_slots, max_len) -> KVCache:
         c = self.config

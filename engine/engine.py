@@ -240,7 +240,7 @@ class Engine:
                 block_ids[:, 1:] = torch.where(remask, mask_id, drafts)
                 ctx, positions = ctx[:, :0], positions[:, ctx_width:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
-            logits = self.target.lm_head(hidden[:, 1:]).float()  # [batch, b_max - 1, vocab]
+            logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()  # [batch, b_max - 1, vocab]
             ids, q, conf = self._propose(requests, logits, sampling)
             if step == 0:
                 drafts, probs, confidence = ids, q, conf
