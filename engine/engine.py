@@ -238,7 +238,7 @@ class Engine:
             if step > 0:  # re-mask the least confident drafts and fill them again; context is cached
                 remask = self._remask(confidence, block_sizes, step)
                 block_ids[:, 1:] = torch.where(remask, mask_id, drafts)
-                ctx, positions = ctx[:, :0], positions[:, ctx_width:]
+                ctx, positions = ctx[:, :0], positions[:, -b_max:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
             logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()  # [batch, b_max - 1, vocab]
             ids, q, conf = self._propose(requests, logits, sampling)
