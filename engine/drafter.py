@@ -135,8 +135,9 @@ class DraftAttention(nn.Module):
         k = self.k_norm(self.k_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim))
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = self.v_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cache.write(layer, slots, write_pos, k, v)
-        keys, values = cache.read(layer, slots, kv_len)
+        slot_ids, read_index = slots
+        cache.write(layer, slot_ids, write_pos, k, v)
+        keys, values = cache.read(layer, read_index, kv_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, b, -1))
 
@@ -199,6 +200,7 @@ class Drafter(nn.Module):
         ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
         x = block_embeds.to(self.dtype)
         rope = self.rotary(positions.clamp_min(0), x.dtype)
+        slots = cache.batch_index(slots)
         write_pos = torch.where(positions >= 0, positions, cache.max_len)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = (key_pos < block_end[:, None])[:, None, None]  # [batch, 1, 1, kv_len]: non-causal

@@ -336,7 +336,7 @@ class Engine:
         return outputs
 
     def _slots(self, requests, name):
-        return torch.tensor([getattr(r, name) for r in requests], device=self.device)
+        return [getattr(r, name) for r in requests]
 
     def _sampling_rows(self, requests):
         return torch.tensor([r.params.temperature > 0 for r in requests], device=self.device)

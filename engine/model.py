@@ -47,6 +47,11 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         attention_bias = bool(hf.get("attention_bias", False))
+        if hf.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias) are not supported by the lean forward")
+        # Exact only within a sliding window: cap the context there instead of approximating.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", model_type == "mistral") else None
+        max_positions = min(hf.get("max_position_embeddings", 2048), window or 1 << 62)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -58,7 +63,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
             rope_theta=float(hf.get("rope_theta") or rope.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else dict(rope, rope_type=rope_type),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type in ("llama", "mistral") and attention_bias,
@@ -140,8 +145,9 @@ class Attention(nn.Module):
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
         v = v.view(batch, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cache.write(layer, slots, write_pos, k, v)
-        keys, values = cache.read(layer, slots, kv_len)
+        slot_ids, read_index = slots
+        cache.write(layer, slot_ids, write_pos, k, v)
+        keys, values = cache.read(layer, read_index, kv_len)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
@@ -201,7 +207,7 @@ class TargetModel(nn.Module):
 
         input_ids    [batch, q] long
         positions    [batch, q] long, -1 marks padding (written to the cache's trash column)
-        slots        [batch] long: each row's cache slot
+        slots        [batch] ints: each row's cache slot
         kv_len       int: 1 + the largest position in the batch (known on the host)
         feature_layers: target layer ids whose outputs are returned, concatenated on features
         logits_index [batch, k] long or None: which of the q positions need logits
@@ -211,6 +217,7 @@ class TargetModel(nn.Module):
         rope_pos = positions.clamp_min(0)
         write_pos = torch.where(positions >= 0, positions, cache.max_len)
         cos, sin = self.rotary(rope_pos, x.dtype)
+        slots = cache.batch_index(slots)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = (key_pos <= rope_pos[..., None])[:, None]  # [batch, 1, q, kv_len]
         features = []
@@ -267,7 +274,9 @@ def load_target(path, dtype=torch.float32, device="cpu") -> TargetModel:
     with torch.device("meta"):
         model = TargetModel(config)
     state = fuse_hf_weights(load_safetensors_dir(path), config)
-    model.load_state_dict(state, strict=False, assign=True)
+    unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+    if unexpected:
+        raise ValueError(f"checkpoint {path!s} has weights this model does not use: {unexpected[:5]}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]

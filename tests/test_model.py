@@ -30,7 +30,10 @@ LLAMA3_ROPE = dict(
 )
 ARCHS = {
     "llama": (LlamaForCausalLM, lambda: LlamaConfig(**COMMON, attention_bias=True)),
-    "llama3-tied": (LlamaForCausalLM, lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True)),
+    "llama3-tied": (
+        LlamaForCausalLM,
+        lambda: LlamaConfig(**COMMON, rope_parameters=LLAMA3_ROPE, tie_word_embeddings=True),
+    ),
     "mistral": (MistralForCausalLM, lambda: MistralConfig(**COMMON)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**COMMON)),
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**COMMON, head_dim=32)),
