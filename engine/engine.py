@@ -233,7 +233,7 @@ class Engine:
         block_end = torch.tensor([r.num_cached + b for r, b in zip(requests, block_sizes)], device=self.device)
         slots = self._slots(requests, "draft_slot")
         kv_len = max(r.num_cached for r in requests) + b_max
-        sampling = self._sampling_rows(requests)
+        sampling = [r.params.temperature > 0 for r in requests]
         for step in range(self.denoising_steps):
             if step > 0:  # re-mask the least confident drafts and fill them again; context is cached
                 remask = self._remask(confidence, block_sizes, step)
@@ -270,11 +270,11 @@ class Engine:
         """Draft ids [batch, n] and, for sampling rows, the distributions they were drawn from."""
         greedy_ids = logits.argmax(dim=-1)
         confidence = logits.softmax(dim=-1).amax(dim=-1)
-        if not sampling.any():
+        if not any(sampling):
             return greedy_ids, None, confidence
         probs = self._probs(requests, logits)
         sampled = sample(probs, [r.generator for r in requests])
-        ids = torch.where(sampling[:, None], sampled, greedy_ids)
+        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], sampled, greedy_ids)
         return ids, probs, confidence
 
     @torch.inference_mode()
@@ -290,17 +290,7 @@ class Engine:
             draft.block_ids, positions, self.target_cache, self._slots(requests, "target_slot"), kv_len, self.feature_layers,
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
-        draft_ids = draft.block_ids[:, 1:]
-        num_accepted, next_ids = verify_greedy(draft_ids, logits, num_draft)
-        sampling = self._sampling_rows(requests)
-        if sampling.any():
-            rows = sampling.nonzero()[:, 0]
-            sub = [requests[i] for i in rows.tolist()]
-            target_probs = self._probs(sub, logits[rows])
-            draft_probs = draft.draft_probs[rows] if draft.draft_probs is not None else target_probs[:, :0]
-            acc, nxt = verify_rejection(draft_ids[rows], draft_probs, target_probs, num_draft[rows], [r.generator for r in sub])
-            num_accepted, next_ids = num_accepted.clone(), next_ids.clone()
-            num_accepted[rows], next_ids[rows] = acc, nxt
+        num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft)
         return num_accepted.tolist(), next_ids.tolist(), features
 
     # ---- helpers -----------------------------------------------------------------------
@@ -338,9 +328,6 @@ class Engine:
     def _slots(self, requests, name):
         return [getattr(r, name) for r in requests]
 
-    def _sampling_rows(self, requests):
-        return torch.tensor([r.params.temperature > 0 for r in requests], device=self.device)
-
     def _probs(self, requests, logits):
         """Sampling distributions for [batch, n, vocab] logits with each row's own parameters."""
         device = logits.device
@@ -349,20 +336,27 @@ class Engine:
         top_p = torch.tensor([float(r.params.top_p) for r in requests], device=device)
         return sampling_probs(logits, temperature, top_k, top_p)
 
+    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft):
+        """Greedy rows by exact match, sampling rows by rejection sampling -> (num_accepted, next_ids).
+
+        draft_ids [batch, b - 1]; draft_probs [batch, b - 1, vocab] or None; logits [batch, b, vocab]
+        """
+        num_accepted, next_ids = verify_greedy(draft_ids, logits, num_draft)
+        rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
+        if rows:
+            sub = [requests[i] for i in rows]
+            index = torch.tensor(rows, device=self.device)
+            target_probs = self._probs(sub, logits[index])
+            q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
+            acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index], [r.generator for r in sub])
+            num_accepted, next_ids = num_accepted.index_copy(0, index, acc), next_ids.index_copy(0, index, nxt)
+        return num_accepted, next_ids
+
     def _sample_next(self, requests, logits):
         """The next token from [batch, 1, vocab] logits: argmax or a sample, per request."""
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=logits.device)
         num_draft = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
-        _, next_ids = verify_greedy(empty, logits, num_draft)
-        sampling = self._sampling_rows(requests)
-        if sampling.any():
-            rows = sampling.nonzero()[:, 0]
-            sub = [requests[i] for i in rows.tolist()]
-            probs = self._probs(sub, logits[rows])
-            _, sampled = verify_rejection(empty[rows], probs[:, :0], probs, num_draft[rows], [r.generator for r in sub])
-            next_ids = next_ids.clone()
-            next_ids[rows] = sampled
-        return next_ids[:, 0].tolist()
+        return self._accept(requests, empty, None, logits, num_draft)[1][:, 0].tolist()
 
     # ---- convenience drivers -------------------------------------------------------------
 
