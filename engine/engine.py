@@ -165,6 +165,7 @@ class Engine:
 
     # ---- one engine step -----------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Prefill new requests, or run one speculative step for every running request."""
         new = [r for r in self.requests.values() if not r.output_ids]
@@ -190,6 +191,7 @@ class Engine:
         cap = r.params.block_size or self.drafter.config.block_size
         return max(1, min(cap, r.params.max_tokens - len(r.output_ids) + 1))
 
+    @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> list[list[int]]:
         """Run prompts through the target; sample each request's first token."""
         lengths = [len(r.prompt_ids) for r in requests]
