@@ -105,6 +105,7 @@ class Engine:
         if denoising_steps < 1:
             raise ValueError(f"denoising_steps must be >= 1, got {denoising_steps}")
         self.target, self.drafter = target, drafter
+        max_slots = min(max_slots, getattr(target, "max_batch_size", max_slots))
         self.max_len = min(max_len, target.config.max_position_embeddings)
         self.device = target.device
         self.target_cache = target.new_cache(max_slots, self.max_len)

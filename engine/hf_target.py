@@ -86,6 +86,8 @@ class HFCache:
 class HFTarget(nn.Module):
     """A local transformers checkpoint behind TargetModel's interface, batch size one."""
 
+    max_batch_size = 1
+
     def __init__(self, path, dtype=torch.float32, device="cpu", trust_remote_code=False):
         super().__init__()
         if not (Path(path) / "config.json").exists():

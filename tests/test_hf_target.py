@@ -131,3 +131,24 @@ def test_cache_bookkeeping(pair):
         cache.free(b)
     assert cache.allocate() == b and cache.lengths[b] == 0 and cache.caches[b].get_seq_length() == 0
     assert cache.num_used == 2 and a == 0
+
+
+def test_engine_speculates_over_the_fallback(pair):
+    """DFlash through the engine on a fallback target: greedy output equals transformers' own."""
+    from engine.drafter import Drafter, DrafterConfig
+    from engine.engine import Engine, SamplingParams
+    from engine.model import ModelConfig
+
+    hf, target = pair
+    c = target.config
+    shape = ModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=128,
+                        num_layers=c.num_layers, num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(shape, mask_token_id=0, block_size=4)).eval()
+    engine = Engine(target, drafter, max_slots=4, max_len=64)
+    prompts = [tokens(5, 1).tolist(), tokens(9, 2).tolist()]
+    outputs = [r.output_ids for r in engine.generate_batch(prompts, SamplingParams(max_tokens=12))]
+    for prompt, output in zip(prompts, outputs):
+        reference = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert output == reference[0, len(prompt):].tolist()
+    assert engine.target_cache.num_slots == 1 and engine.target_cache.num_used == 0
