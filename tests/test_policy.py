@@ -1,0 +1,270 @@
+"""Block-size policies: the adaptive choice maximises expected tokens/s, learns, explores, and beats
+every fixed block in a simulated workload; the cost model interpolates, saves and profiles.
+
+Synthetic cost tables and fake requests (SpecStats filled by observe_draft) keep it fast; only the
+slow test loads the default model.
+"""
+
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.policy import AdaptiveBlockPolicy, CostModel, FixedBlockPolicy, expected_tokens
+from engine.stats import SpecStats
+
+GRID = [1, 2, 4, 8, 16]
+
+
+def synthetic_cost(fixed_ms=20.0, per_token_ms=1.5, grid=GRID):
+    """seconds = fixed + per_token * batch * block: cost grows with the tokens a step verifies."""
+    return CostModel(grid, grid, [[(fixed_ms + per_token_ms * n * b) / 1e3 for b in grid] for n in grid])
+
+
+def fake_request(acceptance=None, drafts=200, block=16, seed=0):
+    """A request whose stats hold `drafts` blocks drawn from true conditional `acceptance`."""
+    stats, rng = SpecStats(), random.Random(seed)
+    for _ in range(drafts if acceptance is not None else 0):
+        accepted = 0
+        while accepted < block - 1 and rng.random() < acceptance[min(accepted, len(acceptance) - 1)]:
+            accepted += 1
+        stats.observe_draft(block - 1, accepted)
+    return SimpleNamespace(stats=stats, params=SimpleNamespace(block_size=None))
+
+
+def rate(requests, caps, b, cost, policy):
+    """Brute force: expected tokens/s of block b, computed independently of the policy's loop."""
+    sizes = [min(b, c) for c in caps]
+    total = 0.0
+    for r, s in zip(requests, sizes):
+        a = policy.acceptance(r.stats, 15)
+        total += 1 + sum(torch.tensor(a[:k]).prod().item() for k in range(1, s))
+    return total / cost.cost(len(requests), max(sizes))
+
+
+# ---- the choice ------------------------------------------------------------------------------
+
+
+def test_expected_tokens():
+    assert expected_tokens([]) == [1.0]
+    assert expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
+    assert expected_tokens([1.0] * 15)[-1] == 16
+
+
+def test_high_acceptance_alone_gets_the_largest_block():
+    policy = AdaptiveBlockPolicy(synthetic_cost())
+    assert policy.choose([fake_request([0.9])], [16]) == [16]
+
+
+def test_same_acceptance_in_a_big_batch_under_steep_cost_gets_a_smaller_block():
+    cost = synthetic_cost(fixed_ms=10, per_token_ms=10)
+    policy = AdaptiveBlockPolicy(cost)
+    batch = [fake_request([0.9], seed=i) for i in range(16)]
+    sizes = policy.choose(batch, [16] * 16)
+    assert len(set(sizes)) == 1 and sizes[0] < 16
+    assert AdaptiveBlockPolicy(cost).choose(batch[:1], [16])[0] > sizes[0]  # alone it goes bigger
+    assert AdaptiveBlockPolicy(synthetic_cost()).choose(batch, [16] * 16)[0] > sizes[0]  # gentler cost too
+
+
+def test_zero_acceptance_gets_block_1():
+    policy = AdaptiveBlockPolicy(synthetic_cost())
+    assert policy.choose([fake_request([0.0]) for _ in range(4)], [16] * 4) == [1] * 4
+
+
+def test_caps_are_respected():
+    policy = AdaptiveBlockPolicy(synthetic_cost(per_token_ms=0.1))
+    requests = [fake_request([0.95], seed=i) for i in range(4)]
+    assert policy.choose(requests, [1, 3, 16, 6]) == [1, 3, 16, 6]
+    assert AdaptiveBlockPolicy(synthetic_cost()).choose(requests, [1, 3, 16, 6]) == [1, 3, 4, 4]
+    assert policy.choose(requests, [1, 1, 1, 1]) == [1, 1, 1, 1]
+    assert FixedBlockPolicy(8).choose(requests, [1, 3, 16, 6]) == [1, 3, 8, 6]
+
+
+def test_a_new_request_starts_from_the_prior_then_the_engine_wide_pool():
+    cost = synthetic_cost()
+    assert AdaptiveBlockPolicy(cost, prior=0.9).choose([fake_request()], [16]) == [16]
+    assert AdaptiveBlockPolicy(cost, prior=0.0).choose([fake_request()], [16]) == [1]
+    # once the pool has seen good requests, a fresh one starts from their acceptance, not the prior
+    policy = AdaptiveBlockPolicy(cost, prior=0.0)
+    policy.choose([fake_request([0.9], seed=i) for i in range(4)], [16] * 4)
+    new = fake_request()
+    assert policy.acceptance(new.stats, 15) == policy.pooled_acceptance(15)
+    assert policy.pooled_acceptance(15)[0] == pytest.approx(0.9, abs=0.05)
+    assert policy.choose([new], [16])[0] >= 8
+
+
+def test_own_data_overrides_the_prior_after_a_few_drafts():
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.9, min_drafts=8)
+    bad = fake_request([0.0], drafts=40)
+    policy.choose([bad], [16])  # the pool learns from it too
+    assert policy.acceptance(bad.stats, 1)[0] < 0.05
+    assert policy.choose([bad], [16]) == [1]
+
+
+def test_unreached_positions_carry_the_last_estimate_forward():
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.1, min_drafts=1)
+    r = fake_request([1.0], drafts=20, block=4)  # only positions 1..3 ever drafted
+    a = policy.acceptance(r.stats, 15)
+    assert a[3:] == [a[2]] * 12 and a[2] > 0.9
+    assert policy.choose([r], [16]) == [16]  # so it tries a bigger block and learns
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_choice_maximises_expected_tokens_per_second(seed):
+    rng = random.Random(seed)
+    cost = synthetic_cost(fixed_ms=rng.uniform(5, 50), per_token_ms=rng.uniform(0.1, 10))
+    policy = AdaptiveBlockPolicy(cost, block_sizes=range(1, 17), min_drafts=rng.choice([0, 8]))
+    batch = rng.choice([1, 3, 4, 7, 16])
+    requests = [fake_request([rng.random() ** 0.5] * 3 + [rng.random()], drafts=rng.randint(0, 30), seed=seed * 100 + i)
+                for i in range(batch)]
+    caps = [rng.choice([1, 2, 5, 16, 16]) for _ in range(batch)]
+    sizes = policy.choose(requests, caps)
+    best = max(rate(requests, caps, b, cost, policy) for b in range(1, 17))
+    assert rate(requests, caps, max(sizes), cost, policy) == pytest.approx(best, rel=1e-9)
+    assert sizes == [min(max(sizes), c) for c in caps]
+
+
+def test_a_request_stuck_at_block_1_still_probes():
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.0, explore_every=4)
+    r = fake_request()
+    chosen = [policy.choose([r], [16])[0] for _ in range(8)]
+    assert chosen == [1, 1, 1, 2, 1, 1, 1, 2]
+    r.stats.observe_draft(1, 1)  # the probe is accepted: the estimate rises above the 0.0 prior
+    assert policy.acceptance(r.stats, 1)[0] > 0
+
+
+# ---- simulation -------------------------------------------------------------------------------
+
+EASY = [0.95 - 0.015 * k for k in range(15)]  # e.g. code: long accepted runs
+HARD = [0.40 - 0.02 * k for k in range(15)]  # e.g. open chat
+
+
+def simulate(policy, batch, cost, per_phase=32, max_tokens=64, seed=0):
+    """Continuous batching of `per_phase` easy then `per_phase` hard requests: tokens/s."""
+    gen = torch.Generator().manual_seed(seed)
+    queue = [EASY] * per_phase + [HARD] * per_phase
+    running, tokens, seconds = [], 0, 0.0
+    while queue or running:
+        while queue and len(running) < batch:
+            r = fake_request()
+            r.true, r.done = queue.pop(0), 0
+            running.append(r)
+        caps = [max(1, min(16, max_tokens - r.done + 1)) for r in running]  # as Engine._block_cap
+        sizes = policy.choose(running, caps)
+        seconds += cost.cost(len(running), max(sizes))
+        u = torch.rand(len(running), 15, generator=gen)
+        for r, b, row in zip(running, sizes, u.tolist()):
+            accepted = 0
+            while accepted < b - 1 and row[accepted] < r.true[accepted]:
+                accepted += 1
+            r.stats.observe_draft(b - 1, accepted)
+            new = min(accepted + 1, max_tokens - r.done)
+            r.done, tokens = r.done + new, tokens + new
+        running = [r for r in running if r.done < max_tokens]
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_adaptive_beats_every_fixed_block_in_simulation(batch, capsys):
+    cost = synthetic_cost()
+    adaptive = simulate(AdaptiveBlockPolicy(cost), batch, cost)
+    fixed = {b: simulate(FixedBlockPolicy(b), batch, cost) for b in GRID}
+    with capsys.disabled():
+        print(f"\nbatch {batch:2d}: adaptive {adaptive:6.1f} tok/s; fixed "
+              + ", ".join(f"{b}: {t:.1f}" for b, t in fixed.items()))
+    assert all(adaptive >= t for t in fixed.values())
+
+
+# ---- cost model -------------------------------------------------------------------------------
+
+
+def test_cost_model_interpolates_piecewise_linearly():
+    cost = CostModel([1, 4], [1, 2, 8], [[1.0, 2.0, 8.0], [4.0, 5.0, 20.0]])
+    assert cost.cost(1, 1) == 1.0 and cost.cost(4, 8) == 20.0
+    assert cost.cost(1, 5) == pytest.approx(5.0)  # between blocks 2 and 8
+    assert cost.cost(2, 1) == pytest.approx(2.0)  # between batches 1 and 4
+    assert cost.cost(2, 5) == pytest.approx((2 * 5.0 + 12.5) / 3)  # bilinear
+    assert cost.cost(8, 8) == pytest.approx(36.0)  # past the grid: the last segment extended
+    assert cost.cost(1, 16) == pytest.approx(16.0)
+    assert synthetic_cost().cost(3, 6) == pytest.approx((20 + 1.5 * 18) / 1e3)  # exact for n * b
+    with pytest.raises(ValueError):
+        CostModel([4, 1], [1], [[1.0], [2.0]])
+    with pytest.raises(ValueError):
+        CostModel([1, 2], [1], [[1.0]])
+
+
+def test_cost_model_is_linear_in_context():
+    cost = CostModel([1, 4], [1, 2], [[1.0, 2.0], [4.0, 5.0]], context=100,
+                     seconds_per_position=[[0.01, 0.0], [0.04, 0.02]])
+    assert cost.cost(1, 1) == cost.cost(1, 1, context=100) == 1.0
+    assert cost.cost(1, 1, context=300) == pytest.approx(3.0)
+    assert cost.cost(4, 2, context=0) == pytest.approx(3.0)
+    assert cost.cost(2, 1, context=200) == pytest.approx(2.0 + 100 * 0.02)  # slopes interpolate too
+    assert CostModel([1], [1], [[1.0]]).cost(1, 1, context=5000) == 1.0  # no slope: context-free
+
+
+def test_the_longest_context_in_the_batch_sets_the_cost():
+    # bf16 on CPU: an AR step (q = 1) attends slowly, so at long contexts block 2 is the cheaper step
+    cost = CostModel([1, 16], [1, 2], [[0.020, 0.021], [0.040, 0.044]], context=32,
+                     seconds_per_position=[[1e-5, 2e-6], [1e-4, 2e-5]])
+    policy = AdaptiveBlockPolicy(cost, block_sizes=(1, 2), prior=0.01)
+    batch = [fake_request() for _ in range(16)]
+    for r in batch:
+        r.num_cached = 40
+    assert policy.choose(batch, [16] * 16) == [1] * 16
+    batch[3].num_cached = 1000
+    assert policy.choose(batch, [16] * 16) == [2] * 16
+
+
+def test_cost_model_save_load_round_trip(tmp_path):
+    cost = synthetic_cost()
+    cost.meta = {"device": "cpu", "contexts": [256, 32]}
+    cost.seconds_per_position = [[1e-6 * n * b for b in GRID] for n in GRID]
+    cost.save(tmp_path / "cost.json")
+    again = CostModel.load(tmp_path / "cost.json")
+    assert again == cost
+    grid = itertools.product(range(1, 20), range(1, 20), [None, 10, 1000])
+    assert all(again.cost(n, b, c) == cost.cost(n, b, c) for n, b, c in grid)
+
+
+def test_profile_on_tiny_models_plugs_into_the_engine(tmp_path):
+    from engine.engine import Engine, SamplingParams
+    from tests.test_engine import random_prompts, tiny_models
+
+    target, drafter = tiny_models()
+    path = tmp_path / "cost.json"
+    policy = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path,
+                                         context=16, repeats=1)
+    cost = policy.cost_model
+    assert cost.batch_sizes == [1, 2, 3] and cost.block_sizes == [1, 2, 4] and policy.block_sizes == [1, 2, 4]
+    assert all(t > 0 for row in cost.seconds for t in row) and path.exists()
+    reused = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path, context=16)
+    assert reused.cost_model == cost  # same models: the saved table is reused, not re-profiled
+
+    prompts = random_prompts(5, target.config.vocab_size)
+    params = SamplingParams(max_tokens=12)
+    adaptive = Engine(target, drafter, max_slots=3, policy=policy).generate_batch(prompts, params)
+    plain = Engine(target, drafter, max_slots=3, policy=FixedBlockPolicy(1)).generate_batch(prompts, params)
+    assert [r.output_ids for r in adaptive] == [r.output_ids for r in plain]  # greedy stays lossless
+
+
+@pytest.mark.slow
+def test_profile_default_model():
+    from engine.loading import load
+
+    loaded = load(dtype="bfloat16", draft="random")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # shared CI boxes: oversubscribed OpenMP threads make timings erratic
+    try:
+        cost = CostModel.profile(loaded.target, loaded.drafter, batch_sizes=(1, 4), block_sizes=(1, 8),
+                                 context=64, repeats=2)
+    finally:
+        torch.set_num_threads(threads)
+    (t11, t18), (t41, t48) = cost.seconds
+    assert min(t11, t18, t41, t48) > 0
+    assert t48 > max(t18, t41) and min(t18, t41) > t11
+    assert cost.meta["dtype"] == "torch.bfloat16" and cost.context == 64
+    # attention reads every cached position: longer contexts cost more (32 vs 64 positions)
+    assert cost.seconds_per_position[-1][-1] > 0 and cost.cost(4, 8, context=512) > t48
