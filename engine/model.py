@@ -105,6 +105,22 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def attention(q, keys, values, mask):
+    """Grouped-query attention. q [batch, heads, q, dim]; keys/values [batch, kv_heads, kv_len, dim];
+    mask [batch, 1, q, kv_len] bool.
+
+    One-query steps in bf16 on a CPU use plain matmuls: torch's fused CPU kernel is 5-12x slower
+    there (385 vs 66 us at 500 keys; 1.7 ms vs 0.14 ms for 8 rows; measured with torch 2.13).
+    """
+    if q.shape[2] > 1 or q.dtype != torch.bfloat16 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    scores = (q.view(batch, kv_heads, heads // kv_heads, dim) @ keys.transpose(-1, -2)).float() * dim**-0.5
+    scores = scores.masked_fill(~mask, float("-inf"))  # [batch, kv_heads, group, kv_len]
+    return (scores.softmax(-1).to(q.dtype) @ values).view(batch, heads, 1, dim)
+
+
 def apply_rotary(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -148,7 +164,7 @@ class Attention(nn.Module):
         slot_ids, read_index = slots
         cache.write(layer, slot_ids, write_pos, k, v)
         keys, values = cache.read(layer, read_index, kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
 
