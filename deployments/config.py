@@ -1,0 +1,120 @@
+"""The server's configuration: one pydantic model at the Ray boundary (builder args, YAML, CLI).
+
+It owns defaults and up-front validation of what the user asked for; it knows nothing about
+models or HTTP. Everything that can be checked without loading a model fails here, by name.
+"""
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class AppConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = Field(
+        None, description="Target checkpoint folder (Hugging Face layout); None or 'default': SmolLM2-135M-Instruct.")
+    draft: str = Field(
+        "default", description="Drafter: 'default' (the shipped one, else random), 'random', 'none' (plain "
+        "autoregressive decoding) or a z-lab-format checkpoint folder.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Weights and activations; 'auto' is bf16 on CUDA and on CPUs with native bf16, else float32.")
+    device: str = Field("cpu", description="'cpu' or 'cuda[:N]' for every engine replica.")
+    topology: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="'colocated': drafter and target in one replica process. 'disaggregated' "
+        "(separate drafter and verifier deployments) is reserved and not implemented yet.")
+    policy: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="Block-size policy: 'fixed' verifies block_size positions every step; 'adaptive' "
+        "profiles a cost model at start-up and picks the block that maximises committed tokens per second.")
+    block_size: int | None = Field(
+        None, ge=1, description="Largest block verified per step (default: the drafter's trained block size).")
+    max_slots: int = Field(8, ge=1, description="Requests decoded together in one replica (KV-cache slots).")
+    max_len: int = Field(2048, ge=2, description="Context length per request: prompt + generated tokens.")
+    num_cpus: float = Field(
+        1, gt=0, description="CPUs reserved per engine replica; torch uses this many threads in it.")
+    num_gpus: float = Field(0, ge=0, description="GPUs reserved per engine replica (set with device='cuda').")
+    num_replicas: int = Field(1, ge=1, description="Engine replicas when autoscaling_config is not given.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling for the engine replicas (min_replicas, max_replicas, "
+        "target_ongoing_requests, ...); replaces num_replicas.")
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests Serve sends one engine replica at once; those beyond max_slots wait "
+        "in the replica's queue. Default: 2 x max_slots.")
+    max_queued_requests: int = Field(
+        -1, ge=-1, description="Requests waiting in Serve's router for a replica before new ones are rejected "
+        "with 503; -1: no limit.")
+    model_name: str = Field("smollm2-135m-dflash", min_length=1, description="The model id clients pass as 'model'.")
+    request_timeout_s: float | None = Field(
+        600, gt=0, description="Longest a request may run end to end before it is cancelled (None: no limit).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_cli(cls, data):
+        """`serve run ... key=value` passes strings: 'None'/'null' mean None, a dict may be JSON."""
+        if not isinstance(data, dict):
+            return data
+        data = {k: None if isinstance(v, str) and v in ("None", "none", "null") and k != "draft" else v
+                for k, v in data.items()}
+        if isinstance(data.get("autoscaling_config"), str):
+            try:
+                data["autoscaling_config"] = json.loads(data["autoscaling_config"])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"autoscaling_config: not a JSON object: {e}") from None
+        return data
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        if not (v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {v!r}")
+        return v
+
+    @field_validator("target")
+    @classmethod
+    def _target(cls, v):
+        if v in (None, "default", ""):
+            return None
+        if not (Path(v) / "config.json").is_file():
+            raise ValueError(f"target {v!r}: no model there (config.json missing)")
+        return v
+
+    @field_validator("draft")
+    @classmethod
+    def _draft(cls, v):
+        if v not in ("default", "random", "none") and not (Path(v) / "config.json").is_file():
+            raise ValueError(f"draft {v!r}: no drafter there (config.json missing); or use default, random, none")
+        return v
+
+    @field_validator("topology")
+    @classmethod
+    def _topology(cls, v):
+        if v == "disaggregated":
+            raise ValueError(
+                "topology 'disaggregated' (separate drafter and verifier deployments) is not implemented yet; "
+                "use 'colocated'")
+        return v
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling(cls, v):
+        if v is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            AutoscalingConfig(**v)  # Serve's own checks, here rather than at deploy time
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.device.startswith("cuda") and self.num_gpus == 0:
+            raise ValueError(f"device {self.device!r} needs num_gpus > 0 per replica")
+        return self
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_ongoing_requests or 2 * self.max_slots
+
+    @property
+    def torch_threads(self) -> int:
+        return max(1, round(self.num_cpus))

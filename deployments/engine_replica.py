@@ -1,0 +1,307 @@
+"""One engine replica (colocated topology): drafter and target in one process, one Engine, streamed.
+
+It owns the engine, the single thread every engine call runs on, the step loop and one token
+stream per request; it knows nothing about HTTP, text or tokenizers (token ids in, token ids out).
+Invariant: every request is in exactly one of `_waiting` (not yet admitted), `_running` (holds
+KV slots, keyed by engine request id) or neither (finished, failed or cancelled, slots freed or
+about to be freed by the next step's aborts).
+"""
+
+import asyncio
+import fcntl
+import logging
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from ray import serve
+
+from deployments.config import AppConfig
+from engine.engine import Engine, Request, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+# The request fields the replica takes; stop strings are applied to text by the ingress.
+PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "stop_token_ids")
+
+
+class EngineRequestError(Exception):
+    """A request the engine cannot run: the client's fault (400) or, with 503, the replica is full."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        super().__init__(message, status_code)
+        self.message, self.status_code = message, status_code
+
+    def __str__(self):
+        return self.message
+
+
+def resolve_target(target: str | None) -> Path:
+    """The target's folder; the default model is converted at most once per node (file lock), so an
+    ingress and replicas starting together do not race to write the same cache folder."""
+    from engine.default_model import cache_dir, resolve_model_path
+
+    if target is not None:
+        return resolve_model_path(target)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return resolve_model_path(None)
+
+
+def cost_model_path(config: AppConfig, loaded, max_block: int) -> Path:
+    """Where the adaptive policy's profiled cost table for these models and this replica size lives."""
+    from engine.default_model import cache_dir
+
+    drafter = Path(loaded.drafter_name).name
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    name = f"{loaded.target_path.name}-{drafter}-{dtype}-{config.device.replace(':', '')}-" \
+           f"b{max_block}-n{config.max_slots}-t{config.torch_threads}.json"
+    return cache_dir() / "cost-models" / name
+
+
+def build_engine(config: AppConfig) -> tuple[Engine, dict]:
+    """Load the models and build the engine with the configured block policy; also what was built."""
+    from engine.loading import load, stop_token_ids
+    from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
+
+    loaded = load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
+    max_block = 1 if loaded.drafter is None else config.block_size or loaded.drafter.config.block_size
+    if config.policy == "adaptive" and loaded.drafter is not None:
+        path = cost_model_path(config, loaded, max_block)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        policy = AdaptiveBlockPolicy.profile(
+            loaded.target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
+    else:
+        policy = FixedBlockPolicy(max_block)
+    engine = Engine(
+        loaded.target, loaded.drafter, max_slots=config.max_slots, max_len=config.max_len, policy=policy,
+        stop_token_ids=stop_token_ids(loaded.target_path),
+    )
+    info = {
+        "model": config.model_name,
+        "target": str(loaded.target_path),
+        "drafter": loaded.drafter_name,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": config.device,
+        "policy": config.policy if loaded.drafter is not None else "none",
+        "max_block_size": max_block,
+        "max_slots": engine.target_cache.num_slots,
+        "max_len": engine.max_len,
+        "torch_threads": torch.get_num_threads(),  # as seen by the thread that runs the engine
+    }
+    return engine, info
+
+
+@dataclass
+class _Stream:
+    """One request's path from the step loop to its `generate` caller."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    queue: asyncio.Queue  # (new token ids, finish reason, stats dict) tuples, or an exception to raise
+    request: Request | None = None  # set on the engine thread when admitted
+    cancelled: bool = False
+
+
+@serve.deployment
+class EngineReplica:
+    def __init__(self, config: dict):
+        self.config = AppConfig.model_validate(config)
+        threads = self.config.torch_threads
+        torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
+                                            initargs=(threads,))
+        self.engine, self._info = self._executor.submit(build_engine, self.config).result()
+        self.num_slots = self.engine.target_cache.num_slots
+        self.max_waiting = self.config.replica_max_ongoing_requests
+        self._waiting: deque[_Stream] = deque()
+        self._running: dict[int, _Stream] = {}
+        self._aborts: list[int] = []
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._consecutive_failures = 0
+        self.counters = dict.fromkeys(
+            ("num_requests", "num_finished", "num_cancelled", "num_rejected", "num_failed", "num_prompt_tokens",
+             "num_generated_tokens"), 0)
+        logger.info("engine replica ready: %s", self._info)
+
+    # ---- the API the ingress calls ------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: dict):
+        """Stream one request: dicts {token_ids, finish_reason, stats} as tokens are committed; `stats`
+        (this request's speculative statistics so far plus num_prompt_tokens) rides on every chunk
+        so a caller that stops early still has them. Closing the stream aborts the request."""
+        self._ensure_step_loop()
+        sampling = self._sampling_params(prompt_ids, params)
+        if len(self._waiting) >= self.max_waiting:
+            self.counters["num_rejected"] += 1
+            raise EngineRequestError(f"the replica is overloaded ({len(self._waiting)} requests queued)", 503)
+        stream = _Stream(list(prompt_ids), sampling, asyncio.Queue())
+        self.counters["num_requests"] += 1
+        self.counters["num_prompt_tokens"] += len(prompt_ids)
+        self._waiting.append(stream)
+        self._wake.set()
+        done = False
+        try:
+            while not done:
+                token_ids, finish_reason, stats = await self._next(stream)
+                while finish_reason is None and not stream.queue.empty():  # a slow reader gets one merged chunk
+                    more, finish_reason, stats = await self._next(stream)
+                    token_ids = token_ids + more
+                done = finish_reason is not None
+                yield {"token_ids": token_ids, "finish_reason": finish_reason,
+                       "stats": {**stats, "num_prompt_tokens": len(prompt_ids)}}
+        finally:
+            if not done:  # client gone (CancelledError / GeneratorExit) or an error: free the slots
+                self._cancel(stream)
+
+    async def slots(self) -> dict:
+        """KV-cache slots in use (read on the engine thread) and requests waiting for one."""
+        used = await asyncio.get_running_loop().run_in_executor(self._executor, lambda: self.engine.target_cache.num_used)
+        return {"used": used, "total": self.num_slots, "running": len(self._running), "waiting": len(self._waiting)}
+
+    async def health(self) -> dict:
+        self.check_health()
+        return {"status": "ok", **await self.slots()}
+
+    async def info(self) -> dict:
+        """What this replica serves: model, drafter, dtype, policy, context length, largest block."""
+        return dict(self._info)
+
+    async def stats(self) -> dict:
+        """This replica's totals: request counters and the engine's speculative statistics."""
+        spec = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.stats.to_dict)
+        return {**self.counters, "spec_decoding": spec, **await self.slots()}
+
+    def check_health(self):
+        """Serve's health hook: unhealthy (and restarted) when the step loop died or keeps failing."""
+        task = self._loop_task
+        if task is not None and task.done():
+            raise RuntimeError(f"the engine step loop stopped: {'cancelled' if task.cancelled() else repr(task.exception())}")
+        if self._consecutive_failures >= 3:
+            raise RuntimeError(f"the last {self._consecutive_failures} engine steps failed")
+
+    # ---- validation ---------------------------------------------------------------------
+
+    def _sampling_params(self, prompt_ids: list[int], params: dict) -> SamplingParams:
+        """The engine's SamplingParams, checked now (add_request's checks less the free slot) so a bad
+        request fails at once even when it would have to wait for a slot."""
+        unknown = sorted(set(params) - set(PARAM_NAMES))
+        if unknown:
+            raise EngineRequestError(f"unknown sampling parameters: {', '.join(unknown)}")
+        given = {k: v for k, v in params.items() if v is not None}
+        if "stop_token_ids" in given:
+            given["stop_token_ids"] = tuple(given["stop_token_ids"])
+        max_len, num_prompt = self.engine.max_len, len(prompt_ids)
+        if not prompt_ids:
+            raise EngineRequestError("the prompt is empty")
+        if "max_tokens" not in given:
+            if num_prompt >= max_len:
+                raise EngineRequestError(
+                    f"the prompt has {num_prompt} tokens, but this model's context length is {max_len} tokens "
+                    f"(prompt + completion)")
+            given["max_tokens"] = max_len - num_prompt
+        block = given.setdefault("block_size", self._info["max_block_size"])
+        if isinstance(block, int) and block > self._info["max_block_size"]:
+            raise EngineRequestError(f"block_size must be <= {self._info['max_block_size']} (this server's largest "
+                                     f"block), got {block}")
+        sampling = SamplingParams(**{f.name: given[f.name] for f in fields(SamplingParams) if f.name in given})
+        try:
+            sampling.validate()
+        except ValueError as e:
+            raise EngineRequestError(str(e)) from None
+        if num_prompt + sampling.max_tokens > max_len:
+            raise EngineRequestError(
+                f"this model's context length is {max_len} tokens, but {num_prompt + sampling.max_tokens} were "
+                f"requested ({num_prompt} in the prompt, {sampling.max_tokens} for the completion)")
+        if not all(isinstance(t, int) and 0 <= t < self.engine.target.config.vocab_size for t in prompt_ids):
+            raise EngineRequestError(
+                f"the prompt has token ids outside the vocabulary [0, {self.engine.target.config.vocab_size})")
+        return sampling
+
+    # ---- the step loop ------------------------------------------------------------------
+
+    async def _next(self, stream: _Stream):
+        item = await stream.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _cancel(self, stream: _Stream):
+        """Stop a request from any state; its slots are freed by the next step's aborts."""
+        stream.cancelled = True
+        if stream in self._waiting:
+            self._waiting.remove(stream)
+            self.counters["num_cancelled"] += 1
+        elif stream.request is not None and self._running.pop(stream.request.request_id, None) is not None:
+            self._aborts.append(stream.request.request_id)
+            self.counters["num_cancelled"] += 1
+            self._wake.set()
+        # else: finished, failed, or being admitted right now (the step loop aborts it on return)
+
+    def _ensure_step_loop(self):
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._step_loop())
+
+    async def _step_loop(self):
+        """Step the engine while anything is waiting, running or to abort; sleep otherwise."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if not (self._waiting or self._running or self._aborts):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            aborts, self._aborts = self._aborts, []
+            admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.num_slots - len(self._running)))]
+            try:
+                rejected, outputs = await loop.run_in_executor(self._executor, self._engine_step, admit, aborts)
+            except Exception as e:  # an engine bug: fail what it was running, keep serving the rest
+                logger.exception("engine step failed")
+                self._consecutive_failures += 1
+                self._fail([*admit, *self._running.values()], e)
+                continue
+            self._consecutive_failures = 0
+            for stream, error in rejected:
+                self.counters["num_rejected"] += 1
+                stream.queue.put_nowait(EngineRequestError(str(error)))
+            for stream in admit:
+                if stream.request is None:
+                    continue
+                if stream.cancelled:  # cancelled while being admitted
+                    self._aborts.append(stream.request.request_id)
+                    self.counters["num_cancelled"] += 1
+                else:
+                    self._running[stream.request.request_id] = stream
+            for out in outputs:
+                stream = self._running.get(out.request_id)
+                if stream is None:
+                    continue
+                self.counters["num_generated_tokens"] += len(out.new_token_ids)
+                stream.queue.put_nowait((out.new_token_ids, out.finish_reason, stream.request.stats.to_dict()))
+                if out.finish_reason is not None:
+                    self.counters["num_finished"] += 1
+                    del self._running[out.request_id]
+
+    def _engine_step(self, admit: list[_Stream], aborts: list[int]):
+        """On the engine thread: abort, admit, then one engine step -> (rejected, step outputs)."""
+        for request_id in aborts:
+            self.engine.abort(request_id)
+        rejected = []
+        for stream in admit:
+            try:
+                stream.request = self.engine.add_request(stream.prompt_ids, stream.params)
+            except ValueError as e:
+                rejected.append((stream, e))
+        return rejected, self.engine.step() if self.engine.num_running else []
+
+    def _fail(self, streams: list[_Stream], error: Exception):
+        for stream in streams:
+            if stream.request is not None:
+                self._aborts.append(stream.request.request_id)
+            stream.queue.put_nowait(RuntimeError(f"the engine failed on this request: {error!r}"))
+        self.counters["num_failed"] += len(streams)
+        self._running.clear()
+
