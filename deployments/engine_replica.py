@@ -187,8 +187,8 @@ class EngineReplica:
     # ---- validation ---------------------------------------------------------------------
 
     def _sampling_params(self, prompt_ids: list[int], params: dict) -> SamplingParams:
-        """The engine's SamplingParams, checked now (add_request's checks less the free slot) so a bad
-        request fails at once even when it would have to wait for a slot."""
+        """The engine's SamplingParams, checked now (Engine.check_request) so a bad request fails at
+        once even when it would have to wait for a slot."""
         unknown = sorted(set(params) - set(PARAM_NAMES))
         if unknown:
             raise EngineRequestError(f"unknown sampling parameters: {', '.join(unknown)}")
@@ -196,8 +196,6 @@ class EngineReplica:
         if "stop_token_ids" in given:
             given["stop_token_ids"] = tuple(given["stop_token_ids"])
         max_len, num_prompt = self.engine.max_len, len(prompt_ids)
-        if not prompt_ids:
-            raise EngineRequestError("the prompt is empty")
         if "max_tokens" not in given:
             if num_prompt >= max_len:
                 raise EngineRequestError(
@@ -210,16 +208,9 @@ class EngineReplica:
                                      f"block), got {block}")
         sampling = SamplingParams(**{f.name: given[f.name] for f in fields(SamplingParams) if f.name in given})
         try:
-            sampling.validate()
+            self.engine.check_request(prompt_ids, sampling)
         except ValueError as e:
             raise EngineRequestError(str(e)) from None
-        if num_prompt + sampling.max_tokens > max_len:
-            raise EngineRequestError(
-                f"this model's context length is {max_len} tokens, but {num_prompt + sampling.max_tokens} were "
-                f"requested ({num_prompt} in the prompt, {sampling.max_tokens} for the completion)")
-        if not all(isinstance(t, int) and 0 <= t < self.engine.target.config.vocab_size for t in prompt_ids):
-            raise EngineRequestError(
-                f"the prompt has token ids outside the vocabulary [0, {self.engine.target.config.vocab_size})")
         return sampling
 
     # ---- the step loop ------------------------------------------------------------------

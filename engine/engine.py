@@ -122,18 +122,24 @@ class Engine:
 
     # ---- request lifecycle -------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and admit a request; fails before any work and holds no slot on error."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams):
+        """Raise ValueError saying what is wrong if the request cannot run (needs no free slot)."""
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_ids) + params.max_tokens > self.max_len:
+        vocab = self.target.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"the prompt has token ids outside the vocabulary [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_len:
             raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length {self.max_len}"
+                f"this model's context length is {self.max_len} tokens, but {total} were requested "
+                f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion)"
             )
-        if max(prompt_ids) >= self.target.config.vocab_size or min(prompt_ids) < 0:
-            raise ValueError("the prompt has token ids outside the vocabulary")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        """Validate and admit a request; fails before any work and holds no slot on error."""
+        self.check_request(prompt_ids, params)
         if self.target_cache.num_used >= self.target_cache.num_slots:
             raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
         request = Request(next(self._ids), list(prompt_ids), params)
