@@ -1,0 +1,242 @@
+"""The `dflash-serve` command line: one argparse subcommand per job (generate, bench; serve and
+training later), every flag checked up front so mistakes fail before any model loads.
+"""
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from engine import bench
+from engine.loading import check_device
+from engine.prompts import PromptFileError, read_prompts
+
+POLICIES = ("fixed", "adaptive")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def comma_list(kind):
+    def parse(text):
+        try:
+            return [kind(x.strip()) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {kind.__name__}, got {text!r}")
+
+    parse.__name__ = f"{kind.__name__} list"
+    return parse
+
+
+def add_model_flags(p: argparse.ArgumentParser):
+    p.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--int8-drafter", action="store_true", help="dynamic int8 drafter (CPU only)")
+    p.add_argument("--denoising-steps", type=int, default=1, help="drafter passes per block")
+    p.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int):
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="dflash-serve", description="DFlash speculative decoding engine")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    gen = subs.add_parser("generate", help="stream one completion to stdout, stats to stderr")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--raw", action="store_true", help="tokenise the prompt as is, without the chat template")
+    gen.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
+    add_sampling_flags(gen, max_new_tokens=128)
+    add_model_flags(gen)
+
+    b = subs.add_parser("bench", help="compare decoding methods side by side on the same prompts")
+    b.add_argument("--methods", type=comma_list(str), default=list(bench.METHODS), help=f"comma list of {', '.join(bench.METHODS)}")
+    b.add_argument("--block-sizes", type=comma_list(int), default=[], help="also run dflash at these fixed blocks (dflash-b{N})")
+    b.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line')
+    b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    b.add_argument("--batch-size", type=int, default=None, help="also time N concurrent requests in one engine")
+    b.add_argument("--repeats", type=int, default=1, help="run the whole sweep N times, keep each run's fastest time")
+    b.add_argument("--json", default=None, metavar="PATH")
+    b.add_argument("--plot", default=None, metavar="PATH.png")
+    add_sampling_flags(b, max_new_tokens=64)
+    add_model_flags(b)
+    return parser, {"generate": gen, "bench": b}
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None means "not given"
+    ("max_new_tokens", lambda v: v > 0, "must be > 0"),
+    ("temperature", lambda v: v >= 0 and not math.isinf(v), "must be >= 0"),
+    ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+    ("top_k", lambda v: v >= 0, "must be >= 0 (0 disables it)"),
+    ("block_size", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("denoising_steps", lambda v: v >= 1, "must be >= 1"),
+    ("num_prompts", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("batch_size", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("repeats", lambda v: v >= 1, "must be >= 1"),
+]
+
+
+def flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def check(args, parser: argparse.ArgumentParser):
+    """Every problem that can be seen without loading a model, as an argparse error naming the flag."""
+    for dest, ok, what in RANGES:
+        if hasattr(args, dest) and not ok(getattr(args, dest)):
+            parser.error(f"{flag(dest)} {what}, got {getattr(args, dest)}")
+    try:
+        check_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.target not in (None, "default") and not (Path(args.target) / "config.json").is_file():
+        parser.error(f"--target {args.target}: no model there (config.json missing)")
+    if args.draft not in ("default", "random", "none") and not (Path(args.draft) / "config.json").is_file():
+        parser.error(f"--draft {args.draft}: no drafter there (config.json missing); or use default, random, none")
+    if args.int8_drafter and args.device != "cpu":
+        parser.error("--int8-drafter runs on CPU only; use --device cpu")
+    if args.int8_drafter and args.draft == "none":
+        parser.error("--int8-drafter needs a drafter, but --draft is none")
+    if args.command == "generate":
+        if not args.prompt.strip():
+            parser.error("--prompt must not be empty")
+    elif args.command == "bench":
+        check_bench(args, parser)
+
+
+def check_bench(args, parser):
+    unknown = [m for m in args.methods if m not in bench.METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown method {', '.join(unknown)}; choose from {', '.join(bench.METHODS)}")
+    if not args.methods and not args.block_sizes:
+        parser.error("--methods must name at least one method")
+    if any(b < 1 for b in args.block_sizes):
+        parser.error(f"--block-sizes must all be >= 1, got {args.block_sizes}")
+    needs = [m for m in args.methods if m in bench.NEEDS_DRAFTER] + [f"dflash-b{b}" for b in args.block_sizes]
+    if args.draft == "none" and needs:
+        parser.error(f"--draft none: these methods need a drafter: {', '.join(needs)}")
+    if args.prompts is not None:
+        try:
+            count = len(read_prompts(args.prompts))
+        except PromptFileError as e:
+            parser.error(f"--prompts {e}")
+    else:
+        count = len(bench.DEFAULT_PROMPTS)
+    if args.num_prompts is not None and args.num_prompts > count:
+        parser.error(f"--num-prompts {args.num_prompts}: there are only {count} prompts")
+    for dest in ("json", "plot"):
+        path = getattr(args, dest)
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            parser.error(f"{flag(dest)} {path}: the folder {Path(path).resolve().parent} does not exist")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        parser.error(f"--plot must be a .png path, got {args.plot}")
+
+
+# ---- generate -------------------------------------------------------------------------------
+
+
+def make_policy(kind: str, loaded, block_size: int):
+    from engine.policy import FixedBlockPolicy
+
+    if kind == "fixed" or loaded.drafter is None:
+        return FixedBlockPolicy(block_size)
+    policy = bench.adaptive_policy(loaded.target, loaded.drafter, block_size)
+    if policy is None:
+        raise ValueError("--policy adaptive: engine.policy has no AdaptiveBlockPolicy yet")
+    return policy
+
+
+class TextStream:
+    """Incremental detokenisation: decode the whole output each time, print the new suffix once it
+    does not end in U+FFFD (a multi-byte character still split across tokens)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def add(self, ids: list[int]):
+        self.ids += ids
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if len(text) > self.printed and not text.endswith("\ufffd"):
+            self.out.write(text[self.printed :])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def prompt_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
+    from engine.prompts import Prompt, chat
+
+    return (Prompt(prompt=prompt) if raw else chat(prompt)).token_ids(tokenizer)
+
+
+def cmd_generate(args):
+    from engine.engine import Engine, SamplingParams
+    from engine.loading import load, stop_token_ids
+
+    loaded = load(args.target, args.draft, args.dtype, args.device, args.int8_drafter)
+    block_size = args.block_size or (loaded.drafter.config.block_size if loaded.drafter is not None else 1)
+    engine = Engine(
+        loaded.target, loaded.drafter, max_slots=1, policy=make_policy(args.policy, loaded, block_size),
+        stop_token_ids=stop_token_ids(loaded.target_path), denoising_steps=args.denoising_steps,
+    )
+    ids = prompt_ids(loaded.tokenizer, args.prompt, args.raw)
+    params = SamplingParams(
+        max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, block_size=block_size,
+    )
+    stream, start, first = TextStream(loaded.tokenizer), time.perf_counter(), None
+    for new in engine.generate(ids, params):
+        first = first or time.perf_counter()
+        stream.add(new)
+    seconds = time.perf_counter() - start
+    print()
+    print_stats(engine, len(stream.ids), seconds, first - start if first else None)
+
+
+def print_stats(engine, tokens: int, seconds: float, ttft: float | None):
+    s = engine.stats
+    lines = [f"tokens: {tokens} in {seconds:.2f} s ({tokens / seconds:.1f} tokens/s)"]
+    if ttft is not None:
+        lines.append(f"time to first token: {ttft:.3f} s")
+    if engine.drafter is None:
+        lines.append("mean acceptance length: n/a (no drafter)")
+    else:
+        per_pos = " ".join(f"{a:.2f}" for a in s.per_position_acceptance) or "-"
+        lines.append(f"mean acceptance length: {s.mean_acceptance_length:.2f} over {s.num_drafts} drafts")
+        lines.append(f"per-position acceptance: {per_pos}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+# ---- bench ----------------------------------------------------------------------------------
+
+
+def cmd_bench(args):
+    fields = bench.BenchConfig.__dataclass_fields__
+    bench.run(bench.BenchConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+
+
+def main(argv=None):
+    parser, subparsers = build_parser()
+    args = parser.parse_args(argv)
+    check(args, subparsers[args.command])
+    try:
+        COMMANDS[args.command](args)
+    except (ValueError, FileNotFoundError) as e:  # bad input found while loading (model, drafter, prompt)
+        print(f"dflash-serve {args.command}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

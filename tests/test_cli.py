@@ -1,0 +1,145 @@
+"""Tests for the dflash-serve CLI: bad flags fail fast naming the flag (in-process, no model loads),
+streaming detokenisation never prints broken UTF-8, and (slow) `generate` and `bench` run end to
+end as subprocesses on the default model."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import cli
+from engine.bench import first_divergence, until_stop
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def prompt_files(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    bad_json = tmp_path / "bad_json.jsonl"
+    bad_json.write_text('{"prompt": "Hello"}\n{"prompt": \n')
+    both = tmp_path / "both.jsonl"
+    both.write_text('{"prompt": "Hello", "messages": [{"role": "user", "content": "Hi"}]}\n')
+    return tmp_path
+
+
+BAD_FLAGS = [  # (argv, text that stderr must contain)
+    (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature must be >= 0, got -1"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature must be >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["generate", "--prompt", "x", "--top-k", "-2"], "--top-k must be >= 0"),
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be > 0"),
+    (["generate", "--prompt", "x", "--block-size", "0"], "--block-size must be >= 1"),
+    (["generate", "--prompt", "x", "--denoising-steps", "0"], "--denoising-steps must be >= 1"),
+    (["generate", "--prompt", "x", "--target", "/no/such/model"], "--target /no/such/model"),
+    (["generate", "--prompt", "x", "--draft", "/no/such/drafter"], "--draft /no/such/drafter"),
+    (["generate", "--prompt", "x", "--dtype", "float16"], "--dtype"),
+    (["generate", "--prompt", "x", "--device", "tpu"], "--device must be cpu or cuda"),
+    (["generate", "--prompt", "x", "--policy", "greedy"], "--policy"),
+    (["generate", "--prompt", " "], "--prompt must not be empty"),
+    (["generate"], "--prompt"),
+    (["bench", "--methods", "hf,nope"], "--methods: unknown method nope"),
+    (["bench", "--block-sizes", "0,4"], "--block-sizes must all be >= 1"),
+    (["bench", "--block-sizes", "4,x"], "--block-sizes"),
+    (["bench", "--num-prompts", "99"], "--num-prompts 99"),
+    (["bench", "--repeats", "0"], "--repeats must be >= 1"),
+    (["bench", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["bench", "--draft", "none", "--methods", "hf,dflash"], "--draft none: these methods need a drafter: dflash"),
+    (["bench", "--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json"),
+    (["bench", "--plot", "out.pdf"], "--plot must be a .png"),
+    (["bench", "--prompts", "{tmp}/missing.jsonl"], "--prompts {tmp}/missing.jsonl: no such file"),
+    (["bench", "--prompts", "{tmp}/bad_json.jsonl"], "bad_json.jsonl:2:"),
+    (["bench", "--prompts", "{tmp}/both.jsonl"], 'both.jsonl:1: Value error, give exactly one of "prompt" or "messages"'),
+    (["bench", "--prompts", "{tmp}/good.jsonl", "--num-prompts", "3"], "--num-prompts 3: there are only 2 prompts"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_FLAGS, ids=[" ".join(a) for a, _ in BAD_FLAGS])
+def test_bad_flags_fail_before_loading(argv, message, prompt_files, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "COMMANDS", {})  # a command that got past validation would KeyError
+    argv = [a.format(tmp=prompt_files) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code != 0
+    assert message.format(tmp=prompt_files) in capsys.readouterr().err
+
+
+def test_bad_flag_subprocess_exit_code():
+    result = run_cli("generate", "--prompt", "x", "--top-p", "2", timeout=120)
+    assert result.returncode == 2
+    assert "--top-p must be in (0, 1], got 2.0" in result.stderr
+
+
+class ByteTokenizer:
+    """Each id is one UTF-8 byte, so a character can be split across tokens."""
+
+    def decode(self, ids, **kw):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_split_characters():
+    out = io.StringIO()
+    stream = cli.TextStream(ByteTokenizer(), out)
+    data = "héllo €1 🙂!".encode()
+    writes = []
+    for b in data:
+        before = out.getvalue()
+        stream.add([b])
+        writes.append(out.getvalue()[len(before):])
+    assert out.getvalue() == "héllo €1 🙂!"
+    assert not any("\ufffd" in w for w in writes)
+
+
+def test_divergence_helpers():
+    assert until_stop([5, 6, 2, 7], {2}) == [5, 6]
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.slow
+def test_generate_streams_text_and_stats():
+    result = run_cli("generate", "--prompt", "Say hello.", "--max-new-tokens", "8", "--dtype", "float32", "--draft", "random")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    for line in ("tokens: ", "tokens/s", "mean acceptance length: ", "per-position acceptance: "):
+        assert line in result.stderr
+
+
+@pytest.mark.slow
+def test_bench_json_plot_and_exactness(tmp_path):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    result = run_cli(
+        "bench", "--methods", "hf,ar,dflash,zlab", "--block-sizes", "4", "--batch-size", "2", "--num-prompts", "2",
+        "--max-new-tokens", "16", "--dtype", "float32", "--draft", "random", "--json", str(out), "--plot", str(png),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "key ratios" in result.stdout and "dflash/zlab" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["config"]["max_new_tokens"] == 16 and report["config"]["machine"]["torch"]
+    methods = report["methods"]
+    assert list(methods) == ["hf", "ar", "dflash", "zlab", "dflash-b4"]
+    for name, m in methods.items():
+        for key in ("tokens_per_s", "median_tokens_per_s", "speedup", "tau", "matches_target", "match_rate", "first_divergence"):
+            assert key in m, (name, key)
+        assert m["tokens_per_s"] > 0 and len(m["prompts"]) == 2
+        assert m["matches_target"] is True, (name, m["first_divergence"])  # float32 greedy: exact
+        assert m["first_divergence"] == [None, None]
+    assert methods["hf"]["speedup"] == 1 and methods["hf"]["tau"] is None and methods["ar"]["tau"] is None
+    assert methods["dflash"]["tau"] >= 1 and methods["zlab"]["tau"] >= 1
+    for ours, ref in zip(methods["dflash"]["prompts"], methods["zlab"]["prompts"]):
+        assert ours["acceptance_lengths"] == ref["acceptance_lengths"]
+        assert ours["output_ids"] == ref["output_ids"]
+    batch = report["batch"]
+    assert batch["batch_size"] == 2 and set(batch["methods"]) == {"ar", "dflash"}
+    assert batch["methods"]["dflash"]["matches_single"] is True
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
