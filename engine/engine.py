@@ -278,7 +278,8 @@ class Engine:
     def _propose(self, requests, logits, sampling):
         """Draft ids [batch, n] and, for sampling rows, the distributions they were drawn from."""
         greedy_ids = logits.argmax(dim=-1)
-        confidence = logits.softmax(dim=-1).amax(dim=-1)
+        # the drafter's confidence only decides what to re-mask between denoising passes
+        confidence = logits.softmax(dim=-1).amax(dim=-1) if self.denoising_steps > 1 else None
         if not any(sampling):
             return greedy_ids, None, confidence
         probs = self._probs(requests, logits)
