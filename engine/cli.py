@@ -66,7 +66,31 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     b.add_argument("--plot", default=None, metavar="PATH.png")
     add_sampling_flags(b, max_new_tokens=64)
     add_model_flags(b)
-    return parser, {"generate": gen, "bench": b}
+
+    s = subs.add_parser("bench-serve", help="the HTTP server under a concurrency sweep: speculation on, off, in-process")
+    s.add_argument("--concurrency", type=comma_list(int), default=[1, 2, 4, 8], help="comma list of concurrent clients")
+    s.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level and variant")
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--variants", type=comma_list(str), default=["server", "server-nospec", "in-process"],
+                   help="comma list of server, server-nospec, in-process")
+    s.add_argument("--num-prompts", type=int, default=None, help="cycle through the first N built-in prompts")
+    s.add_argument("--url", default=None, help="attach to a running server (http://127.0.0.1:PORT) instead of starting one")
+    s.add_argument("--num-cpus", type=float, default=1.0, help="CPUs (and torch threads) per engine replica")
+    s.add_argument("--max-slots", type=int, default=None, help="KV slots per replica (default: the largest concurrency)")
+    s.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0, help="0 disables it")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
+    s.add_argument("--dtype", default="auto", choices=DTYPES)
+    s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
+    s.add_argument("--json", default=None, metavar="PATH")
+    s.add_argument("--plot", default=None, metavar="PATH.png")
+    s.set_defaults(int8_drafter=False)
+    return parser, {"generate": gen, "bench": b, "bench-serve": s}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -224,7 +248,18 @@ def cmd_bench(args):
     bench.run(bench.BenchConfig(**{k: v for k, v in vars(args).items() if k in fields}))
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench}
+def cmd_bench_serve(args):
+    from deployments import bench_serve  # imports Ray when it runs: engine/ never imports it up front
+
+    fields = bench_serve.ServeBenchConfig.__dataclass_fields__
+    cfg = bench_serve.ServeBenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    problem = bench_serve.check_config(cfg)
+    if problem:
+        build_parser()[1]["bench-serve"].error(problem)
+    bench_serve.run(cfg)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve}
 
 
 def main(argv=None):
