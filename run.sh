@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job on the default model: stream a generation, then a short side-by-side benchmark.
+# The main job: set up, then serve the default model with DFlash on http://127.0.0.1:8000/v1
+# (OpenAI API) from a local loopback Ray cluster. Flags pass through: ./run.sh --port 8001 --policy adaptive
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
-.venv/bin/dflash-serve generate --prompt "Write a Python function that checks whether a number is prime." --max-new-tokens 96
-.venv/bin/dflash-serve bench --num-prompts 4 --max-new-tokens 64 --methods hf,ar,dflash,zlab --json results/bench.json --plot results/bench.png
+exec .venv/bin/dflash-serve serve "$@"

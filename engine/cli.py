@@ -90,7 +90,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s.add_argument("--json", default=None, metavar="PATH")
     s.add_argument("--plot", default=None, metavar="PATH.png")
     s.set_defaults(int8_drafter=False)
-    return parser, {"generate": gen, "bench": b, "bench-serve": s}
+
+    srv = subs.add_parser("serve", help="start the OpenAI-compatible server on a local loopback Ray cluster")
+    srv.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1")
+    srv.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
+    srv.add_argument("--max-slots", type=int, default=8, help="requests decoded together per replica")
+    srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (1 CPU each)")
+    srv.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
+    srv.add_argument("--dtype", default="auto", choices=DTYPES)
+    srv.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    srv.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
+    srv.set_defaults(int8_drafter=False)
+    return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -105,6 +117,9 @@ RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None mean
     ("num_prompts", lambda v: v is None or v >= 1, "must be >= 1"),
     ("batch_size", lambda v: v is None or v >= 1, "must be >= 1"),
     ("repeats", lambda v: v >= 1, "must be >= 1"),
+    ("port", lambda v: 0 < v < 65536, "must be a TCP port (1-65535)"),
+    ("max_slots", lambda v: v >= 1, "must be >= 1"),
+    ("num_replicas", lambda v: v >= 1, "must be >= 1"),
 ]
 
 
@@ -259,7 +274,13 @@ def cmd_bench_serve(args):
     bench_serve.run(cfg)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve}
+def cmd_serve(args):
+    from deployments import launch  # imports Ray when it runs: engine/ never imports it up front
+
+    launch.serve_forever(args)
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve}
 
 
 def main(argv=None):
