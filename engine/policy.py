@@ -229,6 +229,9 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float) -> 
     return out
 
 
+MAX_EXPLORE_BACKOFF = 16
+
+
 class AdaptiveBlockPolicy(BlockPolicy):
     """Pick the block b that maximises sum_i E_i(min(b, cap_i)) / cost(batch, b) for the step.
 
@@ -245,7 +248,8 @@ class AdaptiveBlockPolicy(BlockPolicy):
       request starts at the pool's estimate and its own data dominates after ~min_drafts drafts.
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
-    the smallest block > 1 in `block_sizes` (at most ~1/explore_every extra cost).
+    the smallest block > 1 in `block_sizes`; while probes find nothing worth drafting the interval
+    doubles (up to MAX_EXPLORE_BACKOFF x explore_every), and a step that drafts resets it.
     """
 
     def __init__(self, cost_model: CostModel, block_sizes=(1, 2, 4, 8, 16), prior=0.5, min_drafts=8,
@@ -260,6 +264,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
         self.pool_accepted: list[float] = []
         self._seen: dict[int, tuple] = {}  # id(stats) -> (stats, reached, accepted) at the last step
         self._steps_at_1 = 0
+        self._explore_interval = explore_every
         self.last_choice: tuple[int, float] = (1, 0.0)  # last step: (block, best expected tokens/s)
 
     @classmethod
@@ -318,9 +323,13 @@ class AdaptiveBlockPolicy(BlockPolicy):
                 best, best_rate = b, rate
             if b >= max_cap:  # bigger candidates give the same sizes
                 break
-        self._steps_at_1 = self._steps_at_1 + 1 if best == 1 else 0
-        if self._steps_at_1 >= self.explore_every:
-            best, self._steps_at_1 = next((b for b in self.block_sizes if b > 1), 1), 0
+        if best > 1:
+            self._steps_at_1, self._explore_interval = 0, self.explore_every
+        else:
+            self._steps_at_1 += 1
+            if self._steps_at_1 >= self._explore_interval:  # probe; back off while probes find nothing
+                best, self._steps_at_1 = next((b for b in self.block_sizes if b > 1), 1), 0
+                self._explore_interval = min(2 * self._explore_interval, MAX_EXPLORE_BACKOFF * self.explore_every)
         self.last_choice = (best, best_rate)
         return [min(best, cap) for cap in caps]
 

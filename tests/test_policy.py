@@ -129,8 +129,9 @@ def test_the_choice_maximises_expected_tokens_per_second(seed):
 def test_a_request_stuck_at_block_1_still_probes():
     policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.0, explore_every=4)
     r = fake_request()
-    chosen = [policy.choose([r], [16])[0] for _ in range(8)]
-    assert chosen == [1, 1, 1, 2, 1, 1, 1, 2]
+    chosen = [policy.choose([r], [16])[0] for _ in range(28)]
+    # probes after 4 steps at block 1, then back off (8, 16) while they find nothing
+    assert chosen == [1, 1, 1, 2] + [1] * 7 + [2] + [1] * 15 + [2]
     r.stats.observe_draft(1, 1)  # the probe is accepted: the estimate rises above the 0.0 prior
     assert policy.acceptance(r.stats, 1)[0] > 0
 
