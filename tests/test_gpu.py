@@ -1,0 +1,60 @@
+"""The CUDA path: the same exactness checks as on the CPU, on the default model. Skipped without a
+GPU (this project's machines have none; scripts/gpu_check.sh runs these on a lent GPU machine)."""
+
+import pytest
+import torch
+
+from engine.engine import Engine, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+QUESTIONS = ["What is 2+2?", "Write a haiku about rain.", "Explain what a CPU does in one sentence.",
+             "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    from engine.loading import load
+
+    return load(dtype="float32", draft="random", device="cuda")
+
+
+def chat_ids(tokenizer, question):
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+
+
+def test_logits_match_transformers_on_cuda(loaded):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(loaded.target_path, dtype=torch.float32).cuda().eval()
+    ids = torch.tensor([chat_ids(loaded.tokenizer, QUESTIONS[0])], device="cuda")
+    n = ids.shape[1]
+    with torch.inference_mode():
+        ref = hf(ids).logits
+        cache = loaded.target.new_cache(1, 64)
+        ours, _ = loaded.target(ids, torch.arange(n, device="cuda")[None], cache, [0], n)
+    assert (ours - ref).abs().max() < 1e-3
+
+
+def test_dflash_equals_greedy_batched_on_cuda(loaded):
+    from engine.loading import stop_token_ids
+
+    stops = stop_token_ids(loaded.target_path)
+    prompts = [chat_ids(loaded.tokenizer, q) for q in QUESTIONS]
+    reference = [r.output_ids for r in Engine(loaded.target, max_slots=4, stop_token_ids=stops)
+                 .generate_batch(prompts, SamplingParams(max_tokens=32))]
+    engine = Engine(loaded.target, loaded.drafter, max_slots=4, stop_token_ids=stops)
+    assert [r.output_ids for r in engine.generate_batch(prompts, SamplingParams(max_tokens=32))] == reference
+    assert engine.target_cache.num_used == 0
+
+
+def test_seeded_sampling_on_cuda(loaded):
+    engine = Engine(loaded.target, loaded.drafter, max_slots=2)
+    prompt = chat_ids(loaded.tokenizer, QUESTIONS[1])
+    runs = [engine.generate_batch([prompt], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7))[0]
+            for _ in range(2)]
+    assert runs[0].output_ids == runs[1].output_ids
