@@ -55,7 +55,10 @@ class Request:
     draft_slot: int = -1
     num_cached: int = 0
     pending_features: torch.Tensor | None = None  # [c, n_layers * hidden]
-    generator: torch.Generator | None = None
+    # seeded requests: one random stream for drafting and one for verifying, so a drafter and a
+    # verifier in different processes reproduce exactly what one process does
+    draft_generator: torch.Generator | None = None
+    verify_generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     finish_reason: str | None = None
@@ -144,7 +147,8 @@ class Engine:
             raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
         request = Request(next(self._ids), list(prompt_ids), params)
         if params.seed is not None:
-            request.generator = torch.Generator(self.device).manual_seed(params.seed)
+            request.draft_generator = torch.Generator(self.device).manual_seed(params.seed)
+            request.verify_generator = torch.Generator(self.device).manual_seed(params.seed + 1)
         request.target_slot = self.target_cache.allocate()
         if self.drafter is not None:
             request.draft_slot = self.draft_cache.allocate()
@@ -283,7 +287,7 @@ class Engine:
         if not any(sampling):
             return greedy_ids, None, confidence
         probs = self._probs(requests, logits)
-        sampled = sample(probs, [r.generator for r in requests])
+        sampled = sample(probs, [r.draft_generator for r in requests])
         ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], sampled, greedy_ids)
         return ids, probs, confidence
 
@@ -358,7 +362,7 @@ class Engine:
             index = torch.tensor(rows, device=self.device)
             target_probs = self._probs(sub, logits[index])
             q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
-            acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index], [r.generator for r in sub])
+            acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index], [r.verify_generator for r in sub])
             num_accepted, next_ids = num_accepted.index_copy(0, index, acc), next_ids.index_copy(0, index, nxt)
         return num_accepted, next_ids
 
