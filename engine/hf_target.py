@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from engine.kv_cache import SlotTable
+
 
 @dataclass
 class HFTargetConfig:
@@ -34,42 +36,23 @@ class HFTargetConfig:
         )
 
 
-class HFCache:
+class HFCache(SlotTable):
     """KVCache's bookkeeping (slots, lengths, crop) over one transformers DynamicCache per slot."""
 
     def __init__(self, hf_config, num_slots, max_len):
+        super().__init__(num_slots, max_len)
         self.hf_config = hf_config
-        self.max_len = max_len
-        self.lengths = [0] * num_slots
         self.caches: list[DynamicCache | None] = [None] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_slots(self):
-        return len(self.lengths)
-
-    @property
-    def num_used(self):
-        return self.num_slots - len(self._free)
 
     def allocate(self):
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
-        slot = self._free.pop()
-        self.lengths[slot] = 0
+        slot = super().allocate()
         self.caches[slot] = DynamicCache(config=self.hf_config)
         self.caches[slot].activate_past_recording()  # keeps sliding-window layers croppable
         return slot
 
     def free(self, slot):
-        if slot in self._free:
-            raise ValueError(f"KV-cache slot {slot} is already free")
-        self.lengths[slot] = 0
+        super().free(slot)
         self.caches[slot] = None
-        self._free.append(slot)
-
-    def crop(self, slot, length):
-        self.lengths[slot] = length
 
     def truncate(self, slot, length):
         """Drop the slot's entries at positions >= length (a rejected block)."""

@@ -9,11 +9,10 @@ draft is `crop`, never a copy). Column `max_len` is a trash column where padded 
 import torch
 
 
-class KVCache:
-    def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype, device):
-        shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+class SlotTable:
+    """Which slots are in use and how many positions each holds (the bookkeeping every cache shares)."""
+
+    def __init__(self, num_slots, max_len):
         self.max_len = max_len
         self.lengths = [0] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -41,6 +40,14 @@ class KVCache:
 
     def crop(self, slot, length):
         self.lengths[slot] = length
+
+
+class KVCache(SlotTable):
+    def __init__(self, num_layers, num_slots, max_len, num_kv_heads, head_dim, dtype, device):
+        super().__init__(num_slots, max_len)
+        shape = (num_layers, num_slots, num_kv_heads, max_len + 1, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def batch_index(self, slots):
         """Index forms of a batch's slots (host ints): a tensor for writes, and for reads a slice
