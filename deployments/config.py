@@ -23,8 +23,9 @@ class AppConfig(BaseModel):
         "auto", description="Weights and activations; 'auto' is bf16 on CUDA and on CPUs with native bf16, else float32.")
     device: str = Field("cpu", description="'cpu' or 'cuda[:N]' for every engine replica.")
     topology: Literal["colocated", "disaggregated"] = Field(
-        "colocated", description="'colocated': drafter and target in one replica process. 'disaggregated' "
-        "(separate drafter and verifier deployments) is reserved and not implemented yet.")
+        "colocated", description="'colocated': drafter and target in one replica process. 'disaggregated': a "
+        "router, drafter replicas and verifier replicas (the target) as separate deployments that scale apart; "
+        "num_cpus/num_gpus/num_replicas/autoscaling_config then size the verifier replicas, drafter_* the drafters.")
     policy: Literal["fixed", "adaptive"] = Field(
         "fixed", description="Block-size policy: 'fixed' verifies block_size positions every step; 'adaptive' "
         "profiles a cost model at start-up and picks the block that maximises committed tokens per second.")
@@ -39,6 +40,13 @@ class AppConfig(BaseModel):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling for the engine replicas (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); replaces num_replicas.")
+    drafter_num_cpus: float = Field(
+        1, gt=0, description="disaggregated: CPUs reserved per drafter replica (torch uses this many threads).")
+    drafter_num_gpus: float = Field(0, ge=0, description="disaggregated: GPUs reserved per drafter replica.")
+    drafter_num_replicas: int = Field(
+        1, ge=1, description="disaggregated: drafter replicas when drafter_autoscaling_config is not given.")
+    drafter_autoscaling_config: dict[str, Any] | None = Field(
+        None, description="disaggregated: Ray Serve autoscaling for the drafter replicas; replaces drafter_num_replicas.")
     max_ongoing_requests: int | None = Field(
         None, ge=1, description="Requests Serve sends one engine replica at once; those beyond max_slots wait "
         "in the replica's queue. Default: 2 x max_slots.")
@@ -87,16 +95,7 @@ class AppConfig(BaseModel):
             raise ValueError(f"draft {v!r}: no drafter there (config.json missing); or use default, random, none")
         return v
 
-    @field_validator("topology")
-    @classmethod
-    def _topology(cls, v):
-        if v == "disaggregated":
-            raise ValueError(
-                "topology 'disaggregated' (separate drafter and verifier deployments) is not implemented yet; "
-                "use 'colocated'")
-        return v
-
-    @field_validator("autoscaling_config")
+    @field_validator("autoscaling_config", "drafter_autoscaling_config")
     @classmethod
     def _autoscaling(cls, v):
         if v is not None:
@@ -109,6 +108,11 @@ class AppConfig(BaseModel):
     def _consistent(self):
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ValueError(f"device {self.device!r} needs num_gpus > 0 per replica")
+        if self.topology == "disaggregated":
+            if self.draft == "none":
+                raise ValueError("topology 'disaggregated' needs a drafter (draft='none' has nothing to disaggregate)")
+            if self.policy == "adaptive":
+                raise ValueError("policy 'adaptive' is not supported with topology 'disaggregated' yet; use 'fixed'")
         return self
 
     @property
@@ -118,3 +122,7 @@ class AppConfig(BaseModel):
     @property
     def torch_threads(self) -> int:
         return max(1, round(self.num_cpus))
+
+    @property
+    def drafter_torch_threads(self) -> int:
+        return max(1, round(self.drafter_num_cpus))

@@ -95,6 +95,34 @@ def build_engine(config: AppConfig) -> tuple[Engine, dict]:
     return engine, info
 
 
+def sampling_params(engine: Engine, max_block_size: int, prompt_ids: list[int], params: dict) -> SamplingParams:
+    """The engine's SamplingParams, checked now (Engine.check_request) so a bad request fails at
+    once even when it would have to wait for a slot."""
+    unknown = sorted(set(params) - set(PARAM_NAMES))
+    if unknown:
+        raise EngineRequestError(f"unknown sampling parameters: {', '.join(unknown)}")
+    given = {k: v for k, v in params.items() if v is not None}
+    if "stop_token_ids" in given:
+        given["stop_token_ids"] = tuple(given["stop_token_ids"])
+    max_len, num_prompt = engine.max_len, len(prompt_ids)
+    if "max_tokens" not in given:
+        if num_prompt >= max_len:
+            raise EngineRequestError(
+                f"the prompt has {num_prompt} tokens, but this model's context length is {max_len} tokens "
+                f"(prompt + completion)")
+        given["max_tokens"] = max_len - num_prompt
+    block = given.setdefault("block_size", max_block_size)
+    if isinstance(block, int) and block > max_block_size:
+        raise EngineRequestError(f"block_size must be <= {max_block_size} (this server's largest "
+                                 f"block), got {block}")
+    sampling = SamplingParams(**{f.name: given[f.name] for f in fields(SamplingParams) if f.name in given})
+    try:
+        engine.check_request(prompt_ids, sampling)
+    except ValueError as e:
+        raise EngineRequestError(str(e)) from None
+    return sampling
+
+
 @dataclass
 class _Stream:
     """One request's path from the step loop to its `generate` caller."""
@@ -187,31 +215,7 @@ class EngineReplica:
     # ---- validation ---------------------------------------------------------------------
 
     def _sampling_params(self, prompt_ids: list[int], params: dict) -> SamplingParams:
-        """The engine's SamplingParams, checked now (Engine.check_request) so a bad request fails at
-        once even when it would have to wait for a slot."""
-        unknown = sorted(set(params) - set(PARAM_NAMES))
-        if unknown:
-            raise EngineRequestError(f"unknown sampling parameters: {', '.join(unknown)}")
-        given = {k: v for k, v in params.items() if v is not None}
-        if "stop_token_ids" in given:
-            given["stop_token_ids"] = tuple(given["stop_token_ids"])
-        max_len, num_prompt = self.engine.max_len, len(prompt_ids)
-        if "max_tokens" not in given:
-            if num_prompt >= max_len:
-                raise EngineRequestError(
-                    f"the prompt has {num_prompt} tokens, but this model's context length is {max_len} tokens "
-                    f"(prompt + completion)")
-            given["max_tokens"] = max_len - num_prompt
-        block = given.setdefault("block_size", self._info["max_block_size"])
-        if isinstance(block, int) and block > self._info["max_block_size"]:
-            raise EngineRequestError(f"block_size must be <= {self._info['max_block_size']} (this server's largest "
-                                     f"block), got {block}")
-        sampling = SamplingParams(**{f.name: given[f.name] for f in fields(SamplingParams) if f.name in given})
-        try:
-            self.engine.check_request(prompt_ids, sampling)
-        except ValueError as e:
-            raise EngineRequestError(str(e)) from None
-        return sampling
+        return sampling_params(self.engine, self._info["max_block_size"], prompt_ids, params)
 
     # ---- the step loop ------------------------------------------------------------------
 

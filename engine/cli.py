@@ -117,9 +117,9 @@ RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None mean
     ("num_prompts", lambda v: v is None or v >= 1, "must be >= 1"),
     ("batch_size", lambda v: v is None or v >= 1, "must be >= 1"),
     ("repeats", lambda v: v >= 1, "must be >= 1"),
-    ("port", lambda v: 0 < v < 65536, "must be a TCP port (1-65535)"),
-    ("max_slots", lambda v: v >= 1, "must be >= 1"),
-    ("num_replicas", lambda v: v >= 1, "must be >= 1"),
+    ("port", lambda v: v is None or 0 < v < 65536, "must be a TCP port (1-65535)"),
+    ("max_slots", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("num_replicas", lambda v: v is None or v >= 1, "must be >= 1"),
 ]
 
 

@@ -71,6 +71,25 @@ class Request:
     def last_token(self):
         return self.output_ids[-1]
 
+    def append_output(self, new: list[int], stop_token_ids=(), decode=None, speculative=True) -> list[int]:
+        """Append a step's committed tokens, cut at max_tokens and at a stop token; set finish_reason.
+        Returns the tokens actually appended. (Shared by the engine and the disaggregated router.)"""
+        new = new[: self.params.max_tokens - len(self.output_ids)]
+        stops = set(self.params.stop_token_ids) | set(stop_token_ids)
+        for j, t in enumerate(new):
+            if t in stops:
+                new, self.finish_reason = new[: j + 1], "stop"
+                break
+        self.output_ids += new
+        if speculative:
+            self.acceptance_lengths.append(len(new))
+        if self.finish_reason is None and self.params.stop and decode is not None:
+            if any(s in decode(self.output_ids) for s in self.params.stop):
+                self.finish_reason = "stop"
+        if self.finish_reason is None and len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return new
+
 
 @dataclass
 class StepOutput:
@@ -100,7 +119,10 @@ class Engine:
         stop_token_ids: tuple[int, ...] = (),
         decode: Callable[[list[int]], str] | None = None,
         denoising_steps: int = 1,
+        feature_layers: tuple[int, ...] | None = None,
     ):
+        """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
+        Give them to an engine without a drafter that serves a drafter in another process."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -115,7 +137,9 @@ class Engine:
         self.draft_cache = drafter.new_cache(max_slots, self.max_len) if drafter is not None else None
         default_block = drafter.config.block_size if drafter is not None else 1
         self.policy = policy or FixedBlockPolicy(default_block)
-        self.feature_layers = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        if feature_layers is None:
+            feature_layers = drafter.config.target_layer_ids if drafter is not None else ()
+        self.feature_layers = tuple(feature_layers)
         self.stop_token_ids = tuple(stop_token_ids)
         self.decode = decode
         self.denoising_steps = denoising_steps
@@ -320,20 +344,7 @@ class Engine:
     def _finish_step(self, requests, committed, speculative=True) -> list[StepOutput]:
         outputs = []
         for r, new in zip(requests, committed):
-            new = new[: r.params.max_tokens - len(r.output_ids)]
-            stops = set(r.params.stop_token_ids) | set(self.stop_token_ids)
-            for j, t in enumerate(new):
-                if t in stops:
-                    new, r.finish_reason = new[: j + 1], "stop"
-                    break
-            r.output_ids += new
-            if speculative:
-                r.acceptance_lengths.append(len(new))
-            if r.finish_reason is None and r.params.stop and self.decode is not None:
-                if any(s in self.decode(r.output_ids) for s in r.params.stop):
-                    r.finish_reason = "stop"
-            if r.finish_reason is None and len(r.output_ids) >= r.params.max_tokens:
-                r.finish_reason = "length"
+            new = r.append_output(new, self.stop_token_ids, self.decode, speculative)
             if r.finished:
                 self.release(r)
             outputs.append(StepOutput(r.request_id, new, r.finish_reason))

@@ -250,6 +250,29 @@ class TargetModel(nn.Module):
         return logits, torch.cat(ordered, dim=-1)
 
 
+class TargetHead(nn.Module):
+    """Only the target's token embedding and LM head: what a drafter process needs of the target
+    (the drafter embeds its block and reads its logits through them). Its cache has no layers and
+    serves only as slot bookkeeping for an Engine that drafts for a target in another process."""
+
+    def __init__(self, target: TargetModel):
+        super().__init__()
+        self.config = target.config
+        self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self):
+        return self.embed_tokens.weight.device
+
+    def new_cache(self, num_slots, max_len) -> KVCache:
+        c = self.config
+        return KVCache(0, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+
 def read_hf_config(path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.exists():

@@ -406,7 +406,7 @@ def test_incremental_text_releases_held_back_prefix_that_is_not_a_stop():
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"topology": "disaggregated"}, "not implemented yet; use 'colocated'"),
+    ({"topology": "disaggregated", "policy": "adaptive"}, "not supported with topology 'disaggregated'"),
     ({"max_slots": 0}, "max_slots"),
     ({"draft": "/no/such/drafter"}, "no drafter there"),
     ({"target": "/no/such/model"}, "no model there"),

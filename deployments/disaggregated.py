@@ -1,0 +1,472 @@
+"""The disaggregated topology: a router that owns every request's committed tokens, drafter replicas
+(the drafter plus the target's embedding and LM head) and verifier replicas (the target).
+
+Replica state (KV slots and mirror Requests) is a cache of the router's truth: a replica that lacks
+a request's state answers {"missing": True}, and the router rebuilds it by re-prefilling from the
+committed tokens (and the saved states of the seeded random streams), so the output is unchanged.
+Both replicas run the colocated topology's engine code: Engine.draft, Engine.verify (with
+Engine._accept) and Engine._commit on mirror Requests. Sticky routing is Serve model multiplexing
+keyed by request id; its LRU eviction also frees abandoned state. Nothing here knows HTTP or text.
+"""
+
+import asyncio
+import contextvars
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from deployments.config import AppConfig
+from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params
+from engine.engine import DraftBlock, Engine, Request, SamplingParams
+
+logger = logging.getLogger("ray.serve")
+
+BATCH_WAIT_S = 0.002  # how long a replica waits for other requests' steps to join a batch
+NUM_FREED_REMEMBERED = 4096  # freed request ids a replica remembers, so a late prefill cannot revive one
+MAX_REBUILDS_PER_STEP = 3
+
+
+# ---- what both replicas share ---------------------------------------------------------------
+
+
+class _Held:
+    """A request's entry in Serve's multiplexing LRU, holding its mirror Request. When Serve evicts
+    the entry it calls __del__ (on some thread): the state is queued to be freed on the engine thread."""
+
+    def __init__(self, request_id: str, evicted: list):
+        self.request_id, self.request, self._evicted, self._queued = request_id, None, evicted, False
+
+    def __del__(self):
+        if not self._queued:
+            self._queued = True
+            self._evicted.append(self)
+
+
+class _MirrorReplica:
+    """One Engine on one thread, and request id -> mirror Request, kept by Serve's multiplexing LRU.
+    Invariant: `self._held[id].request` is the only live mirror of request `id` in this replica; a
+    freed id stays in `self._freed` so a call that arrives after its free cannot recreate it."""
+
+    def _start(self, config: dict, role: str, build):
+        self.config = AppConfig.model_validate(config)
+        threads = self.config.drafter_torch_threads if role == "drafter" else self.config.torch_threads
+        torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
+                                            initargs=(threads,))
+        self.engine, self._info = self._executor.submit(build, self.config).result()
+        self.num_slots = self.engine.target_cache.num_slots
+        self._held: dict[str, _Held] = {}
+        self._evicted: list[_Held] = []
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        self._drop_countdown: int | None = None
+        self.counters = {"num_evicted": 0, "num_missing": 0}
+
+        async def hold(request_id: str) -> _Held:
+            return _Held(request_id, self._evicted)
+
+        # one LRU entry per request with state here, at most one per KV slot: loading a new one evicts the oldest
+        self._hold = serve.multiplexed(max_num_models_per_replica=self.num_slots)(hold)
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _free_evicted(self):
+        """On the engine thread: free the state of entries Serve evicted."""
+        while self._evicted:
+            held = self._evicted.pop()
+            if held.request is not None:
+                self.counters["num_evicted"] += 1
+            self._release(held)
+
+    def _release(self, held: _Held):
+        if self._held.get(held.request_id) is held:
+            del self._held[held.request_id]
+        if held.request is not None:
+            self.engine.release(held.request)
+            held.request = None
+
+    def _admit(self, held: _Held, prompt_ids: list[int], params: SamplingParams) -> Request | None:
+        """On the engine thread: a fresh mirror for `held` (replacing any), None if the request was freed."""
+        self._free_evicted()
+        if held.request_id in self._freed:
+            return None
+        self._release(held)
+        old = self._held.get(held.request_id)
+        if old is not None:  # an older LRU entry of this id (evicted and loaded again): superseded
+            self._release(old)
+        held.request = self.engine.add_request(prompt_ids, params)
+        self._held[held.request_id] = held
+        return held.request
+
+    def _live(self, held: _Held) -> Request | None:
+        """On the engine thread: the mirror, or None when it is gone (evicted, freed, never made)."""
+        if self._drop_countdown is not None:
+            self._drop_countdown -= 1
+            if self._drop_countdown <= 0:
+                self._drop_countdown = None
+                for other in list(self._held.values()):
+                    self._release(other)
+        if held.request is None:
+            self.counters["num_missing"] += 1
+        return held.request
+
+    def _free(self, request_id: str):
+        self._free_evicted()
+        self._freed[request_id] = None
+        while len(self._freed) > NUM_FREED_REMEMBERED:
+            self._freed.popitem(last=False)
+        held = self._held.get(request_id)
+        if held is not None:
+            self._release(held)
+
+    # ---- the API the router calls (and tests) ----
+
+    async def free(self, request_id: str):
+        """The request finished or left: free its state here."""
+        await self._on_engine(self._free, request_id)
+
+    async def slots(self) -> dict:
+        def read():
+            self._free_evicted()
+            return {"used": self.engine.target_cache.num_used, "total": self.num_slots, "running": len(self._held)}
+
+        return await self._on_engine(read)
+
+    async def info(self) -> dict:
+        return dict(self._info)
+
+    async def stats(self) -> dict:
+        return {**self.counters, **await self.slots()}
+
+    async def drop_state_after(self, num_calls: int):
+        """Test hook: lose every request's state here at the `num_calls`-th draft/verify call from now,
+        as a restarted replica would (the router must re-prefill)."""
+        def arm():
+            self._drop_countdown = num_calls
+
+        await self._on_engine(arm)
+
+
+def _rng_state(r: Request, name: str) -> torch.Tensor | None:
+    generator = getattr(r, name)
+    return None if generator is None else generator.get_state()
+
+
+def _load(config: AppConfig):
+    from engine.loading import load
+
+    return load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
+
+
+# ---- verifier -----------------------------------------------------------------------------
+
+
+def build_verifier(config: AppConfig) -> tuple[Engine, dict]:
+    """The target and its KV cache; the drafter is loaded only to learn which features it reads."""
+    from engine.loading import stop_token_ids
+
+    loaded = _load(config)
+    drafter = loaded.drafter
+    engine = Engine(loaded.target, None, max_slots=config.max_slots, max_len=config.max_len,
+                    stop_token_ids=stop_token_ids(loaded.target_path),
+                    feature_layers=tuple(drafter.config.target_layer_ids))
+    info = {
+        "model": config.model_name, "target": str(loaded.target_path), "drafter": loaded.drafter_name,
+        "dtype": str(loaded.dtype).removeprefix("torch."), "device": config.device, "policy": config.policy,
+        "max_block_size": config.block_size or drafter.config.block_size, "max_slots": engine.target_cache.num_slots,
+        "max_len": engine.max_len, "torch_threads": torch.get_num_threads(), "topology": "disaggregated",
+        "stop_token_ids": list(engine.stop_token_ids),
+    }
+    return engine, info
+
+
+@serve.deployment
+class VerifierReplica(_MirrorReplica):
+    """The target with a KV slot per request: prefill, and verify + accept a drafted block."""
+
+    def __init__(self, config: dict):
+        self._start(config, "verifier", build_verifier)
+        self._verify_batch.set_max_batch_size(self.num_slots)
+        self._verify_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
+
+    async def prefill(self, request_id: str, prompt_ids: list[int], output_ids: list[int], params: dict | SamplingParams,
+                      verify_rng: torch.Tensor | None) -> dict:
+        """Build the request's state from the router's truth. With no output yet: validate the request
+        (raises EngineRequestError) and sample the first token. Otherwise rebuild the cache for the
+        committed tokens and restore the verify generator; no token is sampled. Returns the resolved
+        params, new token ids, the features of every cached position [num_cached, F] and the rng state."""
+        if not isinstance(params, SamplingParams):
+            params = sampling_params(self.engine, self._info["max_block_size"], prompt_ids, params)
+        held = await self._hold(request_id)
+        return await self._on_engine(self._prefill, held, prompt_ids, output_ids, params, verify_rng)
+
+    @torch.inference_mode()
+    def _prefill(self, held, prompt_ids, output_ids, params, verify_rng):
+        # the mirror's prompt is everything the target must cache: prompt + output[:-1]
+        mirror_params = replace(params, max_tokens=params.max_tokens - max(len(output_ids) - 1, 0))
+        r = self._admit(held, prompt_ids + output_ids[:-1], mirror_params)
+        if r is None:
+            return {"missing": True}
+        rebuild = bool(output_ids)
+        generator = r.verify_generator
+        if rebuild:
+            r.verify_generator = None  # the token sampled below is discarded: leave the stream untouched
+        first = self.engine.prefill([r])[0]
+        r.output_ids = output_ids[-1:] if rebuild else first
+        if generator is not None:
+            if verify_rng is not None:
+                generator.set_state(verify_rng)
+            r.verify_generator = generator
+        features, r.pending_features = r.pending_features, None
+        return {"params": params, "token_ids": [] if rebuild else first, "features": features.clone(),
+                "verify_rng": _rng_state(r, "verify_generator")}
+
+    async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None) -> dict:
+        """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests):
+        {num_accepted, token_ids (accepted + bonus), features [num_accepted + 1, F], verify_rng}."""
+        held = await self._hold(request_id)
+        return await self._verify_batch(held, block_ids, draft_probs)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
+    async def _verify_batch(self, helds: list, blocks: list, probs: list) -> list[dict]:
+        return await self._on_engine(self._verify, helds, blocks, probs)
+
+    @torch.inference_mode()
+    def _verify(self, helds, blocks, probs) -> list[dict]:
+        self._free_evicted()
+        mirrors = [self._live(h) for h in helds]
+        rows = [i for i, r in enumerate(mirrors) if r is not None]
+        results = [{"missing": True}] * len(helds)
+        if not rows:
+            return results
+        requests = [mirrors[i] for i in rows]
+        block_sizes = [len(blocks[i]) for i in rows]
+        b_max = max(block_sizes)
+        block_ids = torch.zeros(len(rows), b_max, dtype=torch.long)  # [batch, b_max], padding past each block
+        for j, i in enumerate(rows):
+            block_ids[j, : block_sizes[j]] = torch.tensor(blocks[i])
+        draft_probs = None
+        if any(probs[i] is not None for i in rows):
+            vocab = next(probs[i] for i in rows if probs[i] is not None).shape[-1]
+            draft_probs = torch.zeros(len(rows), b_max - 1, vocab)  # [batch, b_max - 1, vocab]; greedy rows unused
+            for j, i in enumerate(rows):
+                if probs[i] is not None:
+                    draft_probs[j, : block_sizes[j] - 1] = probs[i]
+            draft_probs = draft_probs.to(self.engine.device)
+        draft = DraftBlock(block_ids.to(self.engine.device), draft_probs, block_sizes)
+        num_accepted, next_ids, features = self.engine.verify(requests, draft)
+        for j, (i, r) in enumerate(zip(rows, requests)):
+            self.engine._commit(r, num_accepted[j] + 1, features[j])
+            new_features, r.pending_features = r.pending_features, None
+            results[i] = {"num_accepted": num_accepted[j], "token_ids": next_ids[j][: num_accepted[j] + 1],
+                          "features": new_features.clone(), "verify_rng": _rng_state(r, "verify_generator")}
+        return results
+
+
+# ---- drafter ------------------------------------------------------------------------------
+
+
+def build_drafter(config: AppConfig) -> tuple[Engine, dict]:
+    """The drafter and the target's embedding and LM head; the rest of the target is loaded, then dropped."""
+    from engine.model import TargetHead
+    from engine.policy import FixedBlockPolicy
+
+    loaded = _load(config)
+    max_block = config.block_size or loaded.drafter.config.block_size
+    engine = Engine(TargetHead(loaded.target), loaded.drafter, max_slots=config.max_slots, max_len=config.max_len,
+                    policy=FixedBlockPolicy(max_block))
+    info = {"drafter": loaded.drafter_name, "dtype": str(loaded.dtype).removeprefix("torch."),
+            "max_block_size": max_block, "max_slots": engine.target_cache.num_slots,
+            "torch_threads": torch.get_num_threads()}
+    return engine, info
+
+
+@serve.deployment
+class DrafterReplica(_MirrorReplica):
+    """The drafter with a drafter-KV slot per request: drafts a block from the new context features."""
+
+    def __init__(self, config: dict):
+        self._start(config, "drafter", build_drafter)
+        self._draft_batch.set_max_batch_size(self.num_slots)
+        self._draft_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
+
+    async def draft(self, request_id: str, new_token_ids: list[int], features: torch.Tensor,
+                    start: dict | None = None) -> dict:
+        """Take the tokens committed since the last call and their target features [len, F], and draft
+        the next block: {block_ids (last token + drafts), draft_probs [b - 1, vocab] or None, draft_rng}.
+        `start` {prompt_ids, params, draft_rng} (re)creates the state; new_token_ids then are all of
+        the output and features cover every position from 0."""
+        held = await self._hold(request_id)
+        return await self._draft_batch(held, new_token_ids, features, start)
+
+    @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
+    async def _draft_batch(self, helds: list, new_ids: list, features: list, starts: list) -> list[dict]:
+        return await self._on_engine(self._draft, helds, new_ids, features, starts)
+
+    @torch.inference_mode()
+    def _draft(self, helds, new_ids, features, starts) -> list[dict]:
+        self._free_evicted()
+        mirrors = []
+        for held, start in zip(helds, starts):
+            if start is not None:
+                r = self._admit(held, start["prompt_ids"], start["params"])
+                if r is not None and r.draft_generator is not None and start["draft_rng"] is not None:
+                    r.draft_generator.set_state(start["draft_rng"])
+                mirrors.append(r)
+            else:
+                mirrors.append(self._live(held))
+        rows = [i for i, r in enumerate(mirrors) if r is not None]
+        results = [{"missing": True}] * len(helds)
+        if not rows:
+            return results
+        requests = [mirrors[i] for i in rows]
+        for i, r in zip(rows, requests):
+            r.output_ids += new_ids[i]
+            self.engine._commit(r, features[i].shape[0], features[i].to(self.engine.device))
+        block_sizes = self.engine.policy.choose(requests, [self.engine._block_cap(r) for r in requests])
+        draft = self.engine.draft(requests, block_sizes)
+        for j, (i, r) in enumerate(zip(rows, requests)):
+            b = block_sizes[j]
+            probs = None
+            if draft.draft_probs is not None and r.params.temperature > 0:
+                probs = draft.draft_probs[j, : b - 1].float().cpu().clone()
+            results[i] = {"block_ids": draft.block_ids[j, :b].tolist(), "draft_probs": probs,
+                          "draft_rng": _rng_state(r, "draft_generator")}
+        return results
+
+
+# ---- router -------------------------------------------------------------------------------
+
+
+@serve.deployment
+class Router:
+    """Owns each request's prompt, committed tokens and random-stream states (the durable truth) and
+    runs its loop: verifier.prefill -> {drafter.draft -> verifier.verify -> commit -> stream}. Streams
+    the same chunks as EngineReplica.generate, so the OpenAI ingress serves either topology."""
+
+    def __init__(self, drafter: DeploymentHandle, verifier: DeploymentHandle, config: dict):
+        self.drafter, self.verifier = drafter, verifier
+        self.config = AppConfig.model_validate(config)
+        num_verifiers = (self.config.autoscaling_config or {}).get("max_replicas", self.config.num_replicas)
+        # requests decoding at once; more would evict each other's state in the replicas' LRUs
+        self._admission = asyncio.Semaphore(self.config.max_slots * num_verifiers)
+        self._info: dict | None = None
+        self._frees: set[asyncio.Task] = set()
+        self.counters = dict.fromkeys(("num_requests", "num_finished", "num_cancelled", "num_failed",
+                                       "num_rebuilds", "num_generated_tokens"), 0)
+
+    async def generate(self, prompt_ids: list[int], params: dict):
+        """Stream one request: dicts {token_ids, finish_reason, stats}. Closing the stream stops the
+        request and frees its state in both replicas."""
+        info = await self.info()
+        request_id = uuid.uuid4().hex
+        verifier = self.verifier.options(multiplexed_model_id=request_id)
+        drafter = self.drafter.options(multiplexed_model_id=request_id)
+        self.counters["num_requests"] += 1
+        done = False
+        async with self._admission:
+            try:
+                try:
+                    out = await verifier.prefill.remote(request_id, list(prompt_ids), [], params, None)
+                except Exception as e:  # a request the verifier rejects: the client's error, by its status
+                    cause = getattr(e, "cause", e)
+                    if not isinstance(cause, EngineRequestError):
+                        raise
+                    done = True
+                    raise EngineRequestError(cause.message, cause.status_code) from None
+                if out.get("missing"):
+                    raise RuntimeError("the verifier had already freed this request")
+                r = Request(0, list(prompt_ids), out["params"])
+                stop_ids = info["stop_token_ids"]
+                r.append_output(out["token_ids"], stop_ids, speculative=False)
+                verify_rng, draft_rng = out["verify_rng"], None
+                new_ids, features = out["token_ids"], out["features"]
+                start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": None}
+                yield self._chunk(r, out["token_ids"])
+                while not r.finished:
+                    drafted = await drafter.draft.remote(request_id, new_ids, features, start)
+                    for _ in range(MAX_REBUILDS_PER_STEP):
+                        if not drafted.get("missing"):
+                            break
+                        # the drafter lost the state: re-prefill the verifier to get every position's features
+                        rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng)
+                        start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": draft_rng}
+                        drafted = await drafter.draft.remote(request_id, r.output_ids, rebuilt["features"], start)
+                    if drafted.get("missing"):
+                        raise RuntimeError("the drafter kept losing this request's state")
+                    start, draft_rng = None, drafted["draft_rng"]
+                    block_ids = drafted["block_ids"]
+                    verified = await verifier.verify.remote(request_id, block_ids, drafted["draft_probs"])
+                    for _ in range(MAX_REBUILDS_PER_STEP):
+                        if not verified.get("missing"):
+                            break
+                        await self._rebuild_verifier(verifier, request_id, r, verify_rng)
+                        verified = await verifier.verify.remote(request_id, block_ids, drafted["draft_probs"])
+                    if verified.get("missing"):
+                        raise RuntimeError("the verifier kept losing this request's state")
+                    verify_rng = verified["verify_rng"]
+                    r.stats.observe_draft(len(block_ids) - 1, verified["num_accepted"])
+                    new_ids, features = verified["token_ids"], verified["features"]
+                    yield self._chunk(r, r.append_output(new_ids, stop_ids))
+                done = True
+                self.counters["num_finished"] += 1
+            except Exception:
+                self.counters["num_failed"] += 1
+                raise
+            finally:
+                if not done:
+                    self.counters["num_cancelled"] += 1
+                self._free_later(request_id)
+
+    async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng) -> dict:
+        self.counters["num_rebuilds"] += 1
+        out = await verifier.prefill.remote(request_id, r.prompt_ids, r.output_ids, r.params, verify_rng)
+        if out.get("missing"):
+            raise RuntimeError("the verifier refused to rebuild this request's state")
+        return out
+
+    def _chunk(self, r: Request, new_ids: list[int]) -> dict:
+        self.counters["num_generated_tokens"] += len(new_ids)
+        return {"token_ids": new_ids, "finish_reason": r.finish_reason,
+                "stats": {**r.stats.to_dict(), "num_prompt_tokens": len(r.prompt_ids)}}
+
+    def _free_later(self, request_id: str):
+        """Free the request in both replicas without blocking (this may run while being cancelled)."""
+        async def free():
+            await asyncio.gather(self.drafter.options(multiplexed_model_id=request_id).free.remote(request_id),
+                                 self.verifier.options(multiplexed_model_id=request_id).free.remote(request_id),
+                                 return_exceptions=True)
+
+        # a fresh context: Serve cancels the calls a cancelled request made, and this one's context is cancelled
+        task = asyncio.get_running_loop().create_task(free(), context=contextvars.Context())
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
+
+    async def info(self) -> dict:
+        if self._info is None:
+            self._info = await self.verifier.info.remote()
+        return self._info
+
+    async def slots(self) -> dict:
+        """KV slots in use in a verifier and a drafter replica, and requests in flight here."""
+        verifier, drafter = await asyncio.gather(self.verifier.slots.remote(), self.drafter.slots.remote())
+        return {"used": verifier["used"], "total": verifier["total"], "drafter": drafter, "verifier": verifier}
+
+    async def health(self) -> dict:
+        return {"status": "ok", **await self.slots()}
+
+    async def stats(self) -> dict:
+        return {**self.counters, **await self.slots()}
+
+    async def wait_for_frees(self):
+        """Until every queued free has reached both replicas (tests)."""
+        start = time.monotonic()
+        while self._frees and time.monotonic() - start < 10:
+            await asyncio.sleep(0.02)

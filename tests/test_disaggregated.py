@@ -1,0 +1,175 @@
+"""The disaggregated topology (router -> drafter and verifier deployments) on real Ray Serve, through
+real HTTP clients: its output equals the in-process Engine's (greedy, and seeded sampling), a client
+that leaves and every finished request free their state in BOTH replicas, and a request whose state
+a replica loses mid-way is rebuilt by re-prefill from the router's committed tokens, output unchanged.
+"""
+
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from deployments.app import build_app
+from deployments.config import AppConfig
+
+APP_NAME = "dflash-disagg-test"
+PREFIX = "/disagg"
+CONFIG = AppConfig(topology="disaggregated", draft="random", dtype="float32", max_slots=2, num_cpus=0.5,
+                   drafter_num_cpus=0.5)
+CHAT_PROMPT = "Write a haiku about the sea."
+TEXT_PROMPT = "The three primary colours are"
+MAX_TOKENS = 12
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def server(serve_cluster):
+    serve.run(build_app(CONFIG), name=APP_NAME, route_prefix=PREFIX)
+    base = f"{serve_cluster}{PREFIX}"
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, "the server never became healthy"
+        time.sleep(0.5)
+    yield base
+    serve.delete(APP_NAME)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def handles(server):
+    return {name: serve.get_deployment_handle(name, APP_NAME) for name in ("Router", "DrafterReplica", "VerifierReplica")}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Text from a colocated Engine in this process with the server's loading settings."""
+    import torch
+
+    from engine.engine import Engine, SamplingParams
+    from engine.loading import load, stop_token_ids
+    from engine.policy import FixedBlockPolicy
+    from engine.prompts import chat
+
+    torch.set_num_threads(1)
+    loaded = load(CONFIG.target, CONFIG.draft, CONFIG.dtype, CONFIG.device)
+    block_size = loaded.drafter.config.block_size
+    engine = Engine(loaded.target, loaded.drafter, max_slots=1, max_len=CONFIG.max_len,
+                    policy=FixedBlockPolicy(block_size), stop_token_ids=stop_token_ids(loaded.target_path))
+    tokenizer = loaded.tokenizer
+
+    class Reference:
+        def chat_ids(self, text):
+            return chat(text).token_ids(tokenizer)
+
+        def text_ids(self, text):
+            return tokenizer(text).input_ids
+
+        def text(self, prompt_ids, max_tokens=MAX_TOKENS, **sampling) -> str:
+            params = SamplingParams(max_tokens=max_tokens, block_size=block_size, **sampling)
+            r = engine.generate_batch([prompt_ids], params)[0]
+            return tokenizer.decode(r.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    return Reference()
+
+
+def used(handles) -> tuple[int, int]:
+    """KV slots in use in (the drafter replica, the verifier replica)."""
+    return tuple(handles[name].slots.remote().result()["used"] for name in ("DrafterReplica", "VerifierReplica"))
+
+
+def wait_for_no_state(handles, timeout_s=10.0):
+    handles["Router"].wait_for_frees.remote().result()
+    deadline = time.monotonic() + timeout_s
+    while (now := used(handles)) != (0, 0):
+        assert time.monotonic() < deadline, f"slots still held (drafter, verifier): {now}"
+        time.sleep(0.1)
+
+
+def completion(client, prompt, stream=False, **kw) -> str:
+    out = client.completions.create(model=CONFIG.model_name, prompt=prompt, max_tokens=MAX_TOKENS, stream=stream, **kw)
+    return "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+
+
+def chat_text(client, prompt, stream=False, **kw) -> str:
+    out = client.chat.completions.create(model=CONFIG.model_name, messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=MAX_TOKENS, stream=stream, **kw)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+    return out.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_config_and_topology(server, handles):
+    info = handles["Router"].info.remote().result()
+    assert info["topology"] == "disaggregated" and info["torch_threads"] == 1 and info["max_slots"] == CONFIG.max_slots
+    assert handles["DrafterReplica"].info.remote().result()["torch_threads"] == 1
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["engine"]["total"] == CONFIG.max_slots
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_greedy_equals_engine(client, reference, handles, stream):
+    assert chat_text(client, CHAT_PROMPT, stream, temperature=0) == reference.text(reference.chat_ids(CHAT_PROMPT))
+    assert completion(client, TEXT_PROMPT, stream, temperature=0) == reference.text(reference.text_ids(TEXT_PROMPT))
+    wait_for_no_state(handles)
+
+
+@pytest.mark.slow
+def test_seeded_sampling_equals_engine(client, reference):
+    want = reference.text(reference.text_ids(TEXT_PROMPT), **SAMPLING)
+    assert completion(client, TEXT_PROMPT, **SAMPLING) == want
+    assert completion(client, TEXT_PROMPT, stream=True, **SAMPLING) == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["VerifierReplica", "DrafterReplica"])
+def test_state_lost_mid_way_is_rebuilt_with_identical_output(client, reference, handles, role):
+    """The replica loses every request's state at its 3rd step call: the router re-prefills from its
+    committed tokens and saved random-stream states; greedy and seeded output are unchanged."""
+    for sampling in ({"temperature": 0}, SAMPLING):
+        rebuilds = handles["Router"].stats.remote().result()["num_rebuilds"]
+        handles[role].drop_state_after.remote(3).result()
+        assert completion(client, TEXT_PROMPT, **sampling) == reference.text(reference.text_ids(TEXT_PROMPT), **sampling)
+        assert handles["Router"].stats.remote().result()["num_rebuilds"] == rebuilds + 1
+    wait_for_no_state(handles)
+
+
+@pytest.mark.slow
+def test_client_disconnect_mid_stream_frees_both_replicas(server, handles):
+    cancelled = handles["Router"].stats.remote().result()["num_cancelled"]
+    body = {"model": CONFIG.model_name, "prompt": TEXT_PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert next(r.iter_lines()).startswith("data: ")
+    wait_for_no_state(handles)  # closed: the ingress cancels its router stream, the router frees both replicas
+    assert handles["Router"].stats.remote().result()["num_cancelled"] == cancelled + 1
+
+
+@pytest.mark.slow
+def test_router_stream_closed_mid_way_frees_both_replicas(reference, handles):
+    """The same at the router's own stream, checking the state was held in both replicas when it closed."""
+    stream = handles["Router"].options(stream=True).generate.remote(
+        reference.text_ids(TEXT_PROMPT), {"max_tokens": 400, "temperature": 0.0})
+    assert next(stream)["token_ids"]
+    deadline = time.monotonic() + 5  # the drafter takes the request's state on its first draft call
+    while used(handles) != (1, 1):  # still decoding its 400 tokens
+        assert time.monotonic() < deadline, f"state not held in both replicas: {used(handles)}"
+        time.sleep(0.05)
+    stream.cancel()
+    wait_for_no_state(handles)
+
+
+@pytest.mark.slow
+def test_ten_requests_in_a_row_leave_no_state(client, handles):
+    for i in range(10):
+        client.completions.create(model=CONFIG.model_name, prompt=f"Count to {i}:", max_tokens=4, temperature=0)
+    wait_for_no_state(handles)
+    stats = handles["Router"].stats.remote().result()
+    assert stats["num_failed"] == 0
