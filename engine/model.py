@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, SlotTable
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -252,8 +252,8 @@ class TargetModel(nn.Module):
 
 class TargetHead(nn.Module):
     """Only the target's token embedding and LM head: what a drafter process needs of the target
-    (the drafter embeds its block and reads its logits through them). Its cache has no layers and
-    serves only as slot bookkeeping for an Engine that drafts for a target in another process."""
+    (the drafter embeds its block and reads its logits through them). Its cache is only the
+    slot bookkeeping for an Engine that drafts for a target in another process."""
 
     def __init__(self, target: TargetModel):
         super().__init__()
@@ -268,9 +268,8 @@ class TargetHead(nn.Module):
     def device(self):
         return self.embed_tokens.weight.device
 
-    def new_cache(self, num_slots, max_len) -> KVCache:
-        c = self.config
-        return KVCache(0, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+    def new_cache(self, num_slots, max_len) -> SlotTable:
+        return SlotTable(num_slots, max_len)
 
 
 def read_hf_config(path) -> dict:

@@ -333,14 +333,14 @@ def test_disconnect_while_queued_and_while_running(server, replica):
 
 
 @pytest.mark.slow
-def test_twenty_requests_in_a_row_leave_no_slots(server, client, replica):
-    for i in range(20):
+def test_hundred_requests_in_a_row_leave_no_slots(server, client, replica):
+    for i in range(100):
         if i % 2:
             with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
-                              json={"prompt": f"Count to {i}:", "max_tokens": 4, "stream": True}) as r:
+                              json={"prompt": f"Count to {i}:", "max_tokens": 2, "stream": True}) as r:
                 assert sse_events(r)[-1] == "[DONE]"
         else:
-            out = client.completions.create(model=CONFIG.model_name, prompt=f"Count to {i}:", max_tokens=4)
+            out = client.completions.create(model=CONFIG.model_name, prompt=f"Count to {i}:", max_tokens=2)
             assert out.choices[0].finish_reason in ("length", "stop")
     assert used_slots(replica) == 0
 
