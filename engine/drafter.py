@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.kv_cache import KVCache
-from engine.model import ModelConfig, RMSNorm, Rotary, apply_rotary, read_hf_config
+from engine.model import CachedModel, ModelConfig, RMSNorm, Rotary, apply_rotary, read_hf_config
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -166,7 +165,7 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Drafter(nn.Module):
+class Drafter(CachedModel):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         self.config = config
@@ -175,18 +174,6 @@ class Drafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.rope_config())
-
-    @property
-    def dtype(self):
-        return self.norm.weight.dtype
-
-    @property
-    def device(self):
-        return self.norm.weight.device
-
-    def new_cache(self, num_slots, max_len) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     def forward(self, ctx_features, block_embeds, positions, cache, slots, kv_len, block_end):
         """One denoising pass over a block; writes context (and stale block) keys to the cache.

@@ -192,7 +192,24 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class TargetModel(nn.Module):
+class CachedModel(nn.Module):
+    """What the engine asks of a model: its weights' dtype and device, and a KV cache shaped for it
+    (`config` has num_layers, num_kv_heads and head_dim)."""
+
+    @property
+    def dtype(self):
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self):
+        return next(self.parameters()).device
+
+    def new_cache(self, num_slots, max_len) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+
+class TargetModel(CachedModel):
     """The target LLM. Layers [layer_start, layer_end) may be a pipeline shard of a bigger model."""
 
     def __init__(self, config: ModelConfig):
@@ -205,18 +222,6 @@ class TargetModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
-
-    @property
-    def dtype(self):
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self):
-        return self.embed_tokens.weight.device
-
-    def new_cache(self, num_slots, max_len) -> KVCache:
-        c = self.config
-        return KVCache(c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
         """Run new tokens of a batch of requests through the model, writing their keys/values.
@@ -250,7 +255,7 @@ class TargetModel(nn.Module):
         return logits, torch.cat(ordered, dim=-1)
 
 
-class TargetHead(nn.Module):
+class TargetHead(CachedModel):
     """Only the target's token embedding and LM head: what a drafter process needs of the target
     (the drafter embeds its block and reads its logits through them). Its cache is only the
     slot bookkeeping for an Engine that drafts for a target in another process."""
@@ -259,14 +264,6 @@ class TargetHead(nn.Module):
         super().__init__()
         self.config = target.config
         self.embed_tokens, self.lm_head = target.embed_tokens, target.lm_head
-
-    @property
-    def dtype(self):
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self):
-        return self.embed_tokens.weight.device
 
     def new_cache(self, num_slots, max_len) -> SlotTable:
         return SlotTable(num_slots, max_len)

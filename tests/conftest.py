@@ -3,6 +3,7 @@
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,23 @@ def serve_cluster():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def deploy(app, name, cluster_url, route_prefix="/") -> str:
+    """serve.run `app` on the session cluster and wait until its /health answers; returns its base URL."""
+    import httpx
+    from ray import serve
+
+    serve.run(app, name=name, route_prefix=route_prefix)
+    base = cluster_url + route_prefix.rstrip("/")
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
+        assert time.monotonic() < deadline, f"{name} never became healthy"
+        time.sleep(0.5)
+    return base
+
+
+def openai_client(base_url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)

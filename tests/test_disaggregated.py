@@ -10,6 +10,7 @@ import httpx
 import pytest
 from ray import serve
 
+from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 
@@ -25,20 +26,13 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
 
 @pytest.fixture(scope="module")
 def server(serve_cluster):
-    serve.run(build_app(CONFIG), name=APP_NAME, route_prefix=PREFIX)
-    base = f"{serve_cluster}{PREFIX}"
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{base}/health", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the server never became healthy"
-        time.sleep(0.5)
-    yield base
+    yield deploy(build_app(CONFIG), APP_NAME, serve_cluster, PREFIX)
     serve.delete(APP_NAME)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
+from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 from deployments.ingress import IncrementalText
@@ -37,19 +38,13 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def server(serve_cluster):
     """The app with CONFIG served at the session's Serve proxy; yields the base URL once /health is ok."""
-    serve.run(build_app(CONFIG), name=APP_NAME, route_prefix="/")
-    deadline = time.monotonic() + 120
-    while httpx.get(f"{serve_cluster}/health", timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the server never became healthy"
-        time.sleep(0.5)
-    yield serve_cluster
+    yield deploy(build_app(CONFIG), APP_NAME, serve_cluster)
     serve.delete(APP_NAME)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
