@@ -24,6 +24,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params
+from deployments.metrics import EngineMetrics, active_requests_gauge
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -61,6 +62,8 @@ class _MirrorReplica:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
                                             initargs=(threads,))
         self.engine, self._info = self._executor.submit(build, self.config).result()
+        self.metrics = EngineMetrics(self.config.model_name, self.config.topology)
+        self.metrics.instrument(self.engine)
         self.num_slots = self.engine.target_cache.num_slots
         self._held: dict[str, _Held] = {}
         self._evicted: list[_Held] = []
@@ -84,6 +87,10 @@ class _MirrorReplica:
             if held.request is not None:
                 self.counters["num_evicted"] += 1
             self._release(held)
+
+    def _record_load(self):
+        """On the engine thread: the load gauges, after every batch and every free."""
+        self.metrics.set_load(len(self._held), self.engine.target_cache.num_used)
 
     def _release(self, held: _Held):
         if self._held.get(held.request_id) is held:
@@ -125,6 +132,7 @@ class _MirrorReplica:
         held = self._held.get(request_id)
         if held is not None:
             self._release(held)
+        self._record_load()
 
     # ---- the API the router calls (and tests) ----
 
@@ -225,6 +233,7 @@ class VerifierReplica(_MirrorReplica):
                 generator.set_state(verify_rng)
             r.verify_generator = generator
         features, r.pending_features = r.pending_features, None
+        self._record_load()
         return {"params": params, "token_ids": [] if rebuild else first, "features": features.clone(),
                 "verify_rng": _rng_state(r, "verify_generator")}
 
@@ -267,6 +276,7 @@ class VerifierReplica(_MirrorReplica):
             new_features, r.pending_features = r.pending_features, None
             results[i] = {"num_accepted": num_accepted[j], "token_ids": next_ids[j][: num_accepted[j] + 1],
                           "features": new_features.clone(), "verify_rng": _rng_state(r, "verify_generator")}
+        self._record_load()
         return results
 
 
@@ -339,6 +349,7 @@ class DrafterReplica(_MirrorReplica):
                 probs = draft.draft_probs[j, : b - 1].float().cpu().clone()
             results[i] = {"block_ids": draft.block_ids[j, :b].tolist(), "draft_probs": probs,
                           "draft_rng": _rng_state(r, "draft_generator")}
+        self._record_load()
         return results
 
 
@@ -361,6 +372,8 @@ class Router:
         self._frees: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("num_requests", "num_finished", "num_cancelled", "num_failed",
                                        "num_rebuilds", "num_generated_tokens"), 0)
+        self._num_active = 0
+        self._active_gauge = active_requests_gauge(self.config.model_name, self.config.topology)
 
     async def generate(self, prompt_ids: list[int], params: dict):
         """Stream one request: dicts {token_ids, finish_reason, stats}. Closing the stream stops the
@@ -372,6 +385,7 @@ class Router:
         self.counters["num_requests"] += 1
         done = False
         async with self._admission:
+            self._set_active(+1)
             try:
                 try:
                     out = await verifier.prefill.remote(request_id, list(prompt_ids), [], params, None)
@@ -424,6 +438,11 @@ class Router:
                 if not done:
                     self.counters["num_cancelled"] += 1
                 self._free_later(request_id)
+                self._set_active(-1)
+
+    def _set_active(self, change: int):
+        self._num_active += change
+        self._active_gauge.set(self._num_active)
 
     async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng) -> dict:
         self.counters["num_rebuilds"] += 1

@@ -19,6 +19,7 @@ import torch
 from ray import serve
 
 from deployments.config import AppConfig
+from deployments.metrics import EngineMetrics
 from engine.engine import Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -143,6 +144,8 @@ class EngineReplica:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
                                             initargs=(threads,))
         self.engine, self._info = self._executor.submit(build_engine, self.config).result()
+        self.metrics = EngineMetrics(self.config.model_name, self.config.topology)
+        self.metrics.instrument(self.engine)
         self.num_slots = self.engine.target_cache.num_slots
         self.max_waiting = self.config.replica_max_ongoing_requests
         self._waiting: deque[_Stream] = deque()
@@ -290,7 +293,9 @@ class EngineReplica:
                 stream.request = self.engine.add_request(stream.prompt_ids, stream.params)
             except ValueError as e:
                 rejected.append((stream, e))
-        return rejected, self.engine.step() if self.engine.num_running else []
+        outputs = self.engine.step() if self.engine.num_running else []
+        self.metrics.set_load(self.engine.num_running, self.engine.target_cache.num_used)
+        return rejected, outputs
 
     def _fail(self, streams: list[_Stream], error: Exception):
         for stream in streams:

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineRequestError, resolve_target
+from deployments.metrics import RequestMetrics
 
 # ---- errors -----------------------------------------------------------------------------
 
@@ -265,10 +266,13 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, stats: dict | None
 
 
 class Generation:
-    """One request's run on an engine replica, as text deltas; cancels the replica stream on close."""
+    """One request's run on an engine replica, as text deltas; cancels the replica stream on close.
+    Records the request's latencies and tokens in `metrics` as its chunks arrive."""
 
     def __init__(self, handle: DeploymentHandle, tokenizer, prompt_ids: list[int], params: dict, stops: list[str],
-                 timeout_s: float | None):
+                 timeout_s: float | None, metrics: RequestMetrics):
+        self.metrics = metrics
+        self.start = time.monotonic()
         self.num_prompt_tokens = len(prompt_ids)
         self.text = IncrementalText(tokenizer, stops)
         self.stats: dict | None = None
@@ -279,9 +283,13 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text deltas; `finish_reason` is set before the last one. Raises APIError on failure."""
+        last = None
         try:
             while self.finish_reason is None:
                 chunk = await self._next_chunk()
+                now = time.monotonic()
+                self.metrics.observe_chunk(len(chunk["token_ids"]), now - self.start, None if last is None else now - last)
+                last = now
                 self.stats = chunk["stats"]
                 delta = self.text.add(chunk["token_ids"])
                 if self.text.stopped:
@@ -289,9 +297,13 @@ class Generation:
                 elif chunk["finish_reason"] is not None:
                     self.finish_reason = "length" if chunk["finish_reason"] == "length" else "stop"
                     delta += self.text.flush()
+                if self.finish_reason is not None:
+                    self.metrics.observe_finished(self.finish_reason, now - self.start)
                 if delta or self.finish_reason is not None:
                     yield delta
         finally:
+            if self.finish_reason is None:  # an error, a timeout or the client left
+                self.metrics.observe_finished("abort", None)
             if self.finish_reason is None or self.text.stopped:  # left early, or a stop string: stop the replica
                 self._response.cancel()
 
@@ -330,6 +342,7 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(resolve_target(self.config.target))
         self.created = int(time.time())
         self._info: dict | None = None
+        self.metrics = RequestMetrics(self.config.model_name, self.config.topology)
 
     @api.get("/health")
     async def health(self):
@@ -382,7 +395,7 @@ class OpenAIIngress:
     async def _respond(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None, prefix: str,
                        chat: bool):
         generation = Generation(self.engine, self.tokenizer, prompt_ids, body.sampling_params(max_tokens), body.stop,
-                                self.config.request_timeout_s)
+                                self.config.request_timeout_s, self.metrics)
         deltas = generation.deltas()
         try:
             first = await anext(deltas)  # errors before the first token still get their HTTP status

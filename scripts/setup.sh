@@ -17,3 +17,8 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 .venv/bin/python -m engine.default_model >/dev/null
+# Debian's Prometheus, for the metrics test (tests/test_metrics.py) and cluster/prometheus.yml.
+if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+  { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus; } >/dev/null \
+    || echo "setup.sh: could not apt-get install prometheus (needs root); tests/test_metrics.py will fail" >&2
+fi
