@@ -102,7 +102,42 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     srv.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     srv.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
     srv.set_defaults(int8_drafter=False)
-    return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv}
+
+    dg = subs.add_parser("datagen", help="regenerate responses with the target and capture its features (drafter training data)")
+    dg.add_argument("--out", required=True, help="data folder (resumed if it holds a partial run with the same settings)")
+    dg.add_argument("--num-prompts", type=int, default=2048)
+    dg.add_argument("--split", default="train", choices=("train", "held-out"))
+    dg.add_argument("--sources", type=comma_list(str), default=["sharegpt", "code"], help="comma list of sharegpt, code")
+    dg.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
+    dg.add_argument("--max-new-tokens", type=int, default=256)
+    dg.add_argument("--batch-size", type=int, default=32, help="requests decoded together")
+    dg.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position (for distillation)")
+    dg.add_argument("--feature-layers", type=comma_list(int), default=None, help="target layers to capture (default: 5 spread)")
+    dg.add_argument("--write-prompts", default=None, metavar="PATH.jsonl", help="only write the split's prompts as a bench prompt file")
+    dg.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    dg.add_argument("--dtype", default="auto", choices=DTYPES)
+    dg.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+    from engine.train import TrainConfig
+
+    tr = subs.add_parser("train", help="train a DFlash drafter on datagen output (resumable; --workers N uses Ray Train)")
+    for name, f in TrainConfig.__dataclass_fields__.items():
+        default = f.default
+        if name in ("data", "out"):
+            tr.add_argument(flag(name), required=True)
+        elif isinstance(default, bool):
+            tr.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default)
+        elif name == "feature_layers":
+            tr.add_argument(flag(name), type=comma_list(int), default=None)
+        elif name in ("held_out", "target"):
+            tr.add_argument(flag(name), default=None)
+        elif name == "mask_token_id":
+            tr.add_argument(flag(name), type=int, default=None)
+        else:
+            tr.add_argument(flag(name), type=type(default), default=default)
+    tr.add_argument("--resume", action="store_true", help="continue the run in --out")
+    tr.add_argument("--workers", type=int, default=1, help="data-parallel workers (> 1: Ray Train on a loopback cluster)")
+    return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -120,6 +155,8 @@ RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None mean
     ("port", lambda v: v is None or 0 < v < 65536, "must be a TCP port (1-65535)"),
     ("max_slots", lambda v: v is None or v >= 1, "must be >= 1"),
     ("num_replicas", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("max_prompt_tokens", lambda v: v >= 1, "must be >= 1"),
+    ("workers", lambda v: v >= 1, "must be >= 1"),
 ]
 
 
@@ -132,18 +169,23 @@ def check(args, parser: argparse.ArgumentParser):
     for dest, ok, what in RANGES:
         if hasattr(args, dest) and not ok(getattr(args, dest)):
             parser.error(f"{flag(dest)} {what}, got {getattr(args, dest)}")
-    try:
-        check_device(args.device)
-    except ValueError as e:
-        parser.error(str(e))
-    if args.target not in (None, "default") and not (Path(args.target) / "config.json").is_file():
-        parser.error(f"--target {args.target}: no model there (config.json missing)")
-    if args.draft not in ("default", "random", "none") and not (Path(args.draft) / "config.json").is_file():
-        parser.error(f"--draft {args.draft}: no drafter there (config.json missing); or use default, random, none")
-    if args.int8_drafter and args.device != "cpu":
+    if hasattr(args, "device"):
+        try:
+            check_device(args.device)
+        except ValueError as e:
+            parser.error(str(e))
+    target, draft = getattr(args, "target", None), getattr(args, "draft", "default")
+    int8 = getattr(args, "int8_drafter", False)
+    if target not in (None, "default") and not (Path(target) / "config.json").is_file():
+        parser.error(f"--target {target}: no model there (config.json missing)")
+    if draft not in ("default", "random", "none") and not (Path(draft) / "config.json").is_file():
+        parser.error(f"--draft {draft}: no drafter there (config.json missing); or use default, random, none")
+    if int8 and args.device != "cpu":
         parser.error("--int8-drafter runs on CPU only; use --device cpu")
-    if args.int8_drafter and args.draft == "none":
+    if int8 and draft == "none":
         parser.error("--int8-drafter needs a drafter, but --draft is none")
+    if args.command == "datagen" and args.top_k < 1:
+        parser.error(f"--top-k must be >= 1, got {args.top_k}")
     if args.command == "generate":
         if not args.prompt.strip():
             parser.error("--prompt must not be empty")
@@ -280,7 +322,45 @@ def cmd_serve(args):
     launch.serve_forever(args)
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve}
+def cmd_datagen(args):
+    from engine import datagen
+    from engine.loading import load
+
+    if args.write_prompts:
+        datagen.write_prompt_file(args.write_prompts, args.sources, args.split)
+        return
+    loaded = load(args.target, draft="none", dtype=args.dtype, device=args.device)
+    datagen.generate_data(
+        loaded, args.out, num_prompts=args.num_prompts, split=args.split, sources=args.sources,
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size, top_k=args.top_k, feature_layers=args.feature_layers,
+    )
+
+
+def cmd_train(args):
+    from engine.train import TrainConfig, train
+
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__})
+    cfg.check()
+    out = Path(cfg.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise ValueError(f"--out {out} exists and is not empty; pass --resume to continue that run or choose another folder")
+    if args.resume and not (out / "checkpoint.pt").exists():
+        raise ValueError(f"--resume: {out} holds no checkpoint.pt to resume from")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.workers > 1:
+        from cluster import ray_train  # imports Ray when it runs
+
+        result = ray_train.train_distributed(cfg, args.workers)
+    else:
+        result = train(cfg)
+    print(f"held-out tau {result.get('tau', float('nan')):.3f} after {result['step']} steps; drafter in {out / 'drafter'}")
+
+
+COMMANDS = {
+    "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
+    "datagen": cmd_datagen, "train": cmd_train,
+}
 
 
 def main(argv=None):
