@@ -9,6 +9,7 @@ per-position acceptance = accepted_per_pos / drafts. Serve adds deployment, repl
 labels; every metric here also has `model` and `topology`.
 """
 
+import threading
 import time
 
 import torch
@@ -21,6 +22,7 @@ LABELS = ("model", "topology")
 TOKEN_BUCKETS = [n + 0.5 for n in range(17)] + [24.5, 32.5]
 BATCH_BUCKETS = [n + 0.5 for n in range(9)] + [12.5, 16.5, 24.5, 32.5, 64.5, 128.5]
 STEP_BUCKETS_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5]
+GAUGE_REFRESH_S = 5
 REQUEST_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300]
 
 
@@ -40,16 +42,42 @@ def _histogram(name: str, description: str, buckets: list, labels: dict, extra: 
     return histogram
 
 
-def _gauge(name: str, description: str, labels: dict) -> Gauge:
-    gauge = Gauge(PREFIX + name, description, tag_keys=LABELS)
-    gauge.set_default_tags(dict(labels))  # Serve adds its tags to the dict it gets
-    return gauge
+class LiveGauge:
+    """A gauge that stays exported while its replica lives: Ray drops a gauge value that was not set
+    for two export intervals, so a daemon thread sets the last value again every GAUGE_REFRESH_S."""
+
+    _all: list["LiveGauge"] = []
+    _refresher: threading.Thread | None = None
+
+    def __init__(self, name: str, description: str, labels: dict):
+        self._gauge = Gauge(PREFIX + name, description, tag_keys=LABELS)
+        self._gauge.set_default_tags(dict(labels))  # Serve adds its tags to the dict it gets
+        self._value: float | None = None
+        self._lock = threading.Lock()
+        LiveGauge._all.append(self)
+        if LiveGauge._refresher is None:
+            LiveGauge._refresher = threading.Thread(target=LiveGauge._refresh_forever, name="gauges", daemon=True)
+            LiveGauge._refresher.start()
+
+    def set(self, value: float):
+        with self._lock:
+            self._value = value
+            self._gauge.set(value)
+
+    @staticmethod
+    def _refresh_forever():
+        while True:
+            time.sleep(GAUGE_REFRESH_S)
+            for gauge in list(LiveGauge._all):
+                with gauge._lock:
+                    if gauge._value is not None:
+                        gauge._gauge.set(gauge._value)
 
 
-def active_requests_gauge(model: str, topology: str) -> Gauge:
+def active_requests_gauge(model: str, topology: str) -> LiveGauge:
     """Requests holding state in a replica (an engine replica, a drafter, a verifier) or in flight in the router."""
-    return _gauge("active_requests", "Requests holding state in this replica, or in flight in the router.",
-                  _labels(model, topology))
+    return LiveGauge("active_requests", "Requests holding state in this replica, or in flight in the router.",
+                     _labels(model, topology))
 
 
 class EngineMetrics:
@@ -78,7 +106,7 @@ class EngineMetrics:
             "verify_latency_seconds", "Wall time of one batched verify pass (target forward + acceptance).",
             STEP_BUCKETS_S, labels)
         self.active_requests = active_requests_gauge(model, topology)
-        self.used_kv_slots = _gauge("used_kv_slots", "KV-cache slots in use in this replica.", labels)
+        self.used_kv_slots = LiveGauge("used_kv_slots", "KV-cache slots in use in this replica.", labels)
 
     def instrument(self, engine):
         """Time `engine.draft` and `engine.verify` and record what each pass did, wherever they are called

@@ -13,6 +13,7 @@ accepted), after "!" it writes a few then newlines (some are), after a chat prom
 import concurrent.futures
 import json
 import math
+import os
 import shutil
 import subprocess
 import time
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.slow
 REPEAT_TOKEN = 29  # "-"
 PROMPTS = [[REPEAT_TOKEN] * 48, [17] * 48, "Write a haiku about the sea."]  # all, some, no drafts accepted
 MAX_TOKENS = 24
-NUM_ROUNDS = 2  # of PROMPTS, per topology, 3 at a time
+NUM_ROUNDS = int(os.environ.get("DFLASH_METRICS_ROUNDS", 2))  # of PROMPTS, per topology, 3 at a time
 TOPOLOGIES = {  # name -> (application, route prefix, config); both fit the session's 2 CPUs together
     "colocated": ("metrics-colocated", "/m-colo", dict(num_cpus=1, max_slots=4)),
     "disaggregated": ("metrics-disagg", "/m-disagg", dict(
@@ -221,15 +222,17 @@ def test_every_dashboard_panel_query_returns_data(prometheus, load_run, topology
 
 
 def test_plot_of_a_panel_from_prometheus(prometheus, load_run, tmp_path):
-    """scripts/plot_prometheus.py draws a panel's series from Prometheus (docs/metrics/ comes from it)."""
+    """scripts/plot_prometheus.py draws panels' series from Prometheus, both topologies in one figure.
+    DFLASH_METRICS_PLOT_DIR=docs/metrics keeps the figures (the README's come from this run)."""
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from plot_prometheus import plot_panel
 
     runs, start = load_run
-    app, model, _ = runs["colocated"]
-    out = tmp_path / "acceptance.png"
-    variables = {"model": model, "application": app, "__rate_interval": "30s"}
-    assert plot_panel(prometheus, "Mean acceptance length", out, variables, start - 10, time.time(), step_s=2) >= 1
-    assert out.stat().st_size > 10_000
+    folder = Path(os.environ.get("DFLASH_METRICS_PLOT_DIR", tmp_path))
+    variables = {"model": "metrics-.*", "application": "metrics-.*", "__rate_interval": "1m"}
+    for title, name in (("Mean acceptance length", "acceptance_length"), ("Output tokens/s", "output_tokens")):
+        out = folder / f"{name}.png"
+        assert plot_panel(prometheus, title, out, variables, start - 10, time.time(), step_s=2) >= len(TOPOLOGIES)
+        assert out.stat().st_size > 10_000
