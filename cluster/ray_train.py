@@ -35,12 +35,12 @@ def worker_loop(config: dict):
 def train_distributed(cfg: TrainConfig, num_workers: int, threads_per_worker: int = 1, dump_weights=False):
     """Run `train` in `num_workers` Ray Train workers on a loopback Ray cluster (or the one that
     is already connected). Returns the final metrics of rank 0."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read when ray is imported: else the external address
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     if not ray.is_initialized():
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # else Ray binds the external address
         ray.init(address="local", num_cpus=num_workers * threads_per_worker, include_dashboard=False,
                  _node_ip_address="127.0.0.1")
     out = Path(cfg.out).resolve()

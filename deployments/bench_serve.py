@@ -404,10 +404,10 @@ def free_port() -> int:
 
 def start_cluster() -> str:
     """A fresh local Ray cluster on loopback with Serve's proxy on a free 127.0.0.1 port; its URL."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported: else Ray 2.60 binds the external address
     import ray
     from ray import serve
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else Ray 2.60 binds the external address
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": python_path}})

@@ -45,6 +45,25 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int):
     p.add_argument("--seed", type=int, default=0)
 
 
+TRAIN_HELP = {
+    "data": "datagen folder to train on",
+    "out": "run folder: checkpoint.pt, log.jsonl, curves.png and the drafter (z-lab format) in drafter/",
+    "held_out": "datagen folder (held-out split) for tau evaluations",
+    "target": "target checkpoint folder (default: the one the data was made with)",
+    "num_layers": "draft layers",
+    "mask_token_id": "mask token id (default: 16 for SmolLM2)",
+    "feature_layers": "target layers the drafter reads (default: all the data has)",
+    "init": "random, or target: draft layers start as copies of the target's last layers",
+    "feature_norm": "divide features by their per-channel RMS (folded into fc when saving)",
+    "vocab_subset": "train the head over the N most frequent tokens only; 0 = all",
+    "distill": "weight of the target's top-k distribution in the loss",
+    "anchors": "blocks per sequence per step",
+    "seqs_per_step": "sequences per step",
+    "cpu_minutes": "stop after this much process CPU time (the lr schedule follows it); 0 = use --steps",
+    "bf16": "bf16 autocast",
+}
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(prog="dflash-serve", description="DFlash speculative decoding engine")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -122,22 +141,28 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     tr = subs.add_parser("train", help="train a DFlash drafter on datagen output (resumable; --workers N uses Ray Train)")
     for name, f in TrainConfig.__dataclass_fields__.items():
-        default = f.default
+        default, text = f.default, TRAIN_HELP.get(name)
         if name in ("data", "out"):
-            tr.add_argument(flag(name), required=True)
+            tr.add_argument(flag(name), required=True, help=text)
         elif isinstance(default, bool):
-            tr.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default)
+            tr.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "feature_layers":
-            tr.add_argument(flag(name), type=comma_list(int), default=None)
+            tr.add_argument(flag(name), type=comma_list(int), default=None, help=text)
         elif name in ("held_out", "target"):
-            tr.add_argument(flag(name), default=None)
+            tr.add_argument(flag(name), default=None, help=text)
         elif name == "mask_token_id":
-            tr.add_argument(flag(name), type=int, default=None)
+            tr.add_argument(flag(name), type=int, default=None, help=text)
         else:
-            tr.add_argument(flag(name), type=type(default), default=default)
+            tr.add_argument(flag(name), type=type(default), default=default, help=f"{text or ''} (default {default})".strip())
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--workers", type=int, default=1, help="data-parallel workers (> 1: Ray Train on a loopback cluster)")
-    return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr}
+
+    from deployments import dashboards  # imports neither ray nor Grafana's libraries until it runs
+
+    dash = subs.add_parser("dashboards", help="write the Grafana dashboard (and push it to a Grafana server)")
+    dashboards.add_arguments(dash)
+    return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
+                    "dashboards": dash}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -357,9 +382,19 @@ def cmd_train(args):
     print(f"held-out tau {result.get('tau', float('nan')):.3f} after {result['step']} steps; drafter in {out / 'drafter'}")
 
 
+def cmd_dashboards(args):
+    from deployments import dashboards
+
+    try:
+        dashboards.run(args)
+    except dashboards.PushError as e:
+        print(f"dflash-serve dashboards: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
-    "datagen": cmd_datagen, "train": cmd_train,
+    "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards,
 }
 
 

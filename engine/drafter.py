@@ -174,6 +174,7 @@ class Drafter(CachedModel):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = Rotary(config.rope_config())
+        self.draft_vocab: torch.Tensor | None = None  # reduced draft head: the only ids it proposes
 
     def forward(self, ctx_features, block_embeds, positions, cache, slots, kv_len, block_end):
         """One denoising pass over a block; writes context (and stale block) keys to the cache.
@@ -211,8 +212,12 @@ def check_drafter_fits(drafter_config: DrafterConfig, target_config: ModelConfig
         raise ValueError(f"drafter mask token {c.mask_token_id} is outside the target vocabulary")
 
 
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
 def load_drafter(path, dtype=torch.float32, device="cpu") -> Drafter:
-    """Load a z-lab format drafter folder (config.json + model.safetensors)."""
+    """Load a z-lab format drafter folder (config.json + model.safetensors), and its reduced draft
+    vocabulary (draft_vocab.json, our addition that z-lab's loader ignores) when there is one."""
     config = DrafterConfig.from_hf(read_hf_config(path))
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -222,14 +227,23 @@ def load_drafter(path, dtype=torch.float32, device="cpu") -> Drafter:
         state.update(load_file(str(f)))
     drafter = Drafter(config)
     drafter.load_state_dict(state)
+    vocab_file = Path(path) / DRAFT_VOCAB_FILE
+    if vocab_file.exists():
+        ids = json.loads(vocab_file.read_text())
+        if not ids or not all(isinstance(i, int) and 0 <= i < config.vocab_size for i in ids):
+            raise ValueError(f"{vocab_file}: expected a non-empty list of token ids below {config.vocab_size}")
+        drafter.draft_vocab = torch.tensor(ids, device=device)
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def save_drafter(drafter: Drafter, path, dtype=torch.bfloat16):
-    """Save in z-lab format; z-lab's DFlashDraftModel.from_pretrained loads the result."""
+def save_drafter(drafter: Drafter, path, dtype=torch.bfloat16, draft_vocab=None):
+    """Save in z-lab format; z-lab's DFlashDraftModel.from_pretrained loads the result.
+    draft_vocab: token ids the drafter may propose (a reduced head at inference), or None."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(drafter.config.to_hf(), dtype=str(dtype).removeprefix("torch."))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    if draft_vocab is not None:
+        (path / DRAFT_VOCAB_FILE).write_text(json.dumps(sorted(int(i) for i in draft_vocab)) + "\n")

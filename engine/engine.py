@@ -120,9 +120,11 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         denoising_steps: int = 1,
         feature_layers: tuple[int, ...] | None = None,
+        reduced_draft_head: bool = True,
     ):
         """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
-        Give them to an engine without a drafter that serves a drafter in another process."""
+        Give them to an engine without a drafter that serves a drafter in another process.
+        reduced_draft_head: when the drafter has a draft vocabulary, score only those tokens."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -143,6 +145,9 @@ class Engine:
         self.stop_token_ids = tuple(stop_token_ids)
         self.decode = decode
         self.denoising_steps = denoising_steps
+        vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
+        self.draft_vocab = vocab
+        self.draft_head = None if vocab is None else target.lm_head.weight[vocab.to(target.lm_head.weight.device)]
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -277,7 +282,7 @@ class Engine:
                 block_ids[:, 1:] = torch.where(remask, mask_id, drafts)
                 ctx, positions = ctx[:, :0], positions[:, -b_max:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
-            logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype)).float()  # [batch, b_max - 1, vocab]
+            logits = self._draft_logits(hidden[:, 1:])  # [batch, b_max - 1, vocab]
             ids, q, conf = self._propose(requests, logits, sampling)
             if step == 0:
                 drafts, probs, confidence = ids, q, conf
@@ -290,6 +295,14 @@ class Engine:
             self.draft_cache.crop(r.draft_slot, r.num_cached)
             r.pending_features = None
         return DraftBlock(block_ids, probs, block_sizes)
+
+    def _draft_logits(self, hidden):
+        hidden = hidden.to(self.target.dtype)
+        if self.draft_head is None:
+            return self.target.lm_head(hidden).float()
+        scores = (hidden @ self.draft_head.T).float()  # only the draft vocabulary; the rest can't be drafted
+        logits = scores.new_full((*scores.shape[:-1], self.target.config.vocab_size), -torch.inf)
+        return logits.index_copy_(-1, self.draft_vocab, scores)
 
     @property
     def target_features_dim(self):

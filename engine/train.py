@@ -154,7 +154,7 @@ def sample_anchors(s: Sequence, num: int, generator: torch.Generator) -> torch.T
 
 def eval_anchors(s: Sequence, block_size: int, stride: int) -> torch.Tensor:
     """Deterministic anchors whose whole block has labels, every `stride` positions."""
-    return torch.arange(s.prompt_len, len(s.tokens) - block_size + 1, stride)
+    return torch.arange(s.prompt_len, max(s.prompt_len, len(s.tokens) - block_size + 1), stride)
 
 
 # ---- model -------------------------------------------------------------------------------------
@@ -236,12 +236,13 @@ def loss_and_accuracy(hidden, head: torch.Tensor, vocab_map: torch.Tensor | None
 
 
 @torch.no_grad()
-def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, stride=16, max_blocks=2048):
-    """Held-out greedy acceptance with the FULL head: per block, the run of leading drafts equal
-    to the target's tokens. Returns tau (= 1 + mean accepted) and per-position acceptance."""
+def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_ids=None, stride=16, max_blocks=2048):
+    """Held-out greedy acceptance: per block, the run of leading drafts equal to the target's
+    tokens. Returns tau (= 1 + mean accepted) and per-position acceptance with the FULL head,
+    and tau when the drafter may only propose `vocab_ids` (a reduced head), if given."""
     drafter.eval()
     b = cfg.block_size
-    accepted, reached = [], torch.zeros(b - 1)
+    accepted, accepted_reduced, reached = [], [], torch.zeros(b - 1)
     blocks = 0
     for s in data.sequences:
         a = eval_anchors(s, b, stride)
@@ -250,16 +251,21 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, stride
         batch = make_batch([s], [a], b, drafter.config.mask_token_id)
         with autocast(cfg):
             hidden = train_forward(drafter, embed, batch, feature_scale)
-        drafts = (hidden[:, 1:].to(head.dtype) @ head.T).argmax(-1)
-        ok = (drafts == batch.labels).long().cumprod(-1)  # 1 while every earlier draft matched
+        hidden = hidden[:, 1:].to(head.dtype)
+        ok = ((hidden @ head.T).argmax(-1) == batch.labels).long().cumprod(-1)  # 1 while every earlier draft matched
         accepted.append(ok.sum(-1))
         reached += ok.sum(0)
+        if vocab_ids is not None:
+            drafts = vocab_ids[(hidden @ head[vocab_ids].T).argmax(-1)]
+            accepted_reduced.append((drafts == batch.labels).long().cumprod(-1).sum(-1))
         blocks += len(a)
         if blocks >= max_blocks:
             break
     drafter.train()
-    accepted = torch.cat(accepted).float()
-    return 1 + accepted.mean().item(), (reached / blocks).tolist()
+    result = {"tau": 1 + torch.cat(accepted).float().mean().item(), "acceptance_per_pos": (reached / blocks).tolist()}
+    if vocab_ids is not None:
+        result["tau_reduced_head"] = 1 + torch.cat(accepted_reduced).float().mean().item()
+    return result
 
 
 def autocast(cfg):
@@ -427,6 +433,7 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
         generator.set_state(ckpt["generator"][rank] if rank < len(ckpt["generator"]) else ckpt["generator"][0])
     model = wrap(module) if wrap else module
     weights = position_weights(cfg.block_size)
+    vocab_ids = None if vocab_map is None else (vocab_map >= 0).nonzero()[:, 0]
     log_path = out / "log.jsonl"
     scale = module.feature_scale if module.feature_scale.numel() else None
 
@@ -437,7 +444,7 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
         torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                     "generator": [generator.get_state()], "config": asdict(cfg)}, tmp)
         tmp.rename(ckpt_path)
-        save_drafter(folded_drafter(drafter, scale), out / "drafter")
+        save_drafter(folded_drafter(drafter, scale), out / "drafter", draft_vocab=vocab_ids)
 
     def log(entry):
         if rank == 0:
@@ -452,9 +459,8 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
     def run_eval():
         if held_out is None or rank != 0:
             return {}
-        tau, per_pos = evaluate(drafter, module.embed, head, held_out, cfg, scale)
         entry = {"eval": True, "step": state["step"], "cpu_seconds": state["cpu_seconds"],
-                 "wall_seconds": state["wall_seconds"], "tau": tau, "acceptance_per_pos": per_pos}
+                 "wall_seconds": state["wall_seconds"], **evaluate(drafter, module.embed, head, held_out, cfg, scale, vocab_ids)}
         log(entry)
         return entry
 

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# Ray reads this when it is imported: set it before any test module imports ray, else Ray 2.60
+# binds the machine's external address instead of 127.0.0.1.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CPUS = 2
 
@@ -25,7 +29,6 @@ def serve_cluster():
     import ray
     from ray import serve
 
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else Ray 2.60 binds the external address
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"PYTHONPATH": python_path}})

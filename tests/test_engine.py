@@ -91,6 +91,34 @@ def test_real_drafter_greedy_equals_autoregressive(block_size, denoising_steps):
     assert engine.target_cache.num_used == engine.draft_cache.num_used == 0
 
 
+def test_reduced_draft_head_proposes_only_its_vocabulary_and_stays_exact(tmp_path):
+    """A drafter saved with a draft vocabulary loads with it; the engine then drafts only those
+    ids (greedy and sampled) and the output is still the target's."""
+    from engine.drafter import load_drafter, save_drafter
+
+    target, drafter = tiny_models(seed=2)
+    save_drafter(drafter, tmp_path, dtype=torch.float32, draft_vocab=[1, 3, 5])
+    drafter = load_drafter(tmp_path)
+    assert drafter.draft_vocab.tolist() == [1, 3, 5]
+    prompts = random_prompts(4, TINY.vocab_size, seed=2)
+    reference = greedy_outputs(Engine(target), prompts, 24)
+    engine = Engine(target, drafter, max_slots=4)
+    proposed = []
+    original = engine._propose
+    engine._propose = lambda reqs, logits, sampling: proposed.append(original(reqs, logits, sampling)) or proposed[-1]
+    requests = engine.generate_batch(prompts, SamplingParams(max_tokens=24, block_size=4))
+    assert [r.output_ids for r in requests] == reference
+    sampled = engine.generate_batch(prompts, SamplingParams(max_tokens=8, block_size=4, temperature=1.0, seed=3))
+    assert all(len(r.output_ids) == 8 for r in sampled)
+    ids = torch.cat([p[0].flatten() for p in proposed])
+    assert set(ids.tolist()) <= {1, 3, 5}
+    full = Engine(target, drafter, max_slots=4, reduced_draft_head=False)
+    assert full.draft_head is None
+    (tmp_path / "draft_vocab.json").write_text("[1, 99]")
+    with pytest.raises(ValueError, match="draft_vocab.json: expected a non-empty list of token ids below 8"):
+        load_drafter(tmp_path)
+
+
 def exact_sequence_probs(target, prompt, length, probs_fn):
     """Exact probability of every continuation of `length` tokens under the target (tiny vocab)."""
     vocab = target.config.vocab_size
