@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 
 class AppConfig(BaseModel):
@@ -51,11 +51,17 @@ class AppConfig(BaseModel):
         None, ge=1, description="Requests Serve sends one engine replica at once; those beyond max_slots wait "
         "in the replica's queue. Default: 2 x max_slots.")
     max_queued_requests: int = Field(
-        -1, ge=-1, description="Requests waiting in Serve's router for a replica before new ones are rejected "
-        "with 503; -1: no limit.")
+        64, ge=-1, description="Requests waiting for an engine replica (disaggregated: for a decoding slot) "
+        "before new ones are answered 503 with Retry-After; -1: no limit.")
     model_name: str = Field("smollm2-135m-dflash", min_length=1, description="The model id clients pass as 'model'.")
     request_timeout_s: float | None = Field(
-        600, gt=0, description="Longest a request may run end to end before it is cancelled (None: no limit).")
+        600, gt=0, description="Longest a request may run end to end (queued time included) before it is "
+        "cancelled, its state freed and the client answered 504 (None: no limit).")
+    api_keys: list[SecretStr] = Field(
+        [], description="Bearer keys clients must send (Authorization: Bearer KEY) on every route but /health; "
+        "empty: no authentication. `dflash-serve serve` also reads them from DFLASH_API_KEYS (comma list).")
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body accepted; larger ones are answered 413.")
 
     @model_validator(mode="before")
     @classmethod
@@ -65,6 +71,8 @@ class AppConfig(BaseModel):
             return data
         data = {k: None if isinstance(v, str) and v in ("None", "none", "null") and k != "draft" else v
                 for k, v in data.items()}
+        if isinstance(data.get("api_keys"), str):  # key=value: a comma list
+            data["api_keys"] = [k for k in data["api_keys"].split(",") if k]
         if isinstance(data.get("autoscaling_config"), str):
             try:
                 data["autoscaling_config"] = json.loads(data["autoscaling_config"])
@@ -93,6 +101,13 @@ class AppConfig(BaseModel):
     def _draft(cls, v):
         if v not in ("default", "random", "none") and not (Path(v) / "config.json").is_file():
             raise ValueError(f"draft {v!r}: no drafter there (config.json missing); or use default, random, none")
+        return v
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v):
+        if any(not k.get_secret_value().strip() or k.get_secret_value() != k.get_secret_value().strip() for k in v):
+            raise ValueError("api_keys: a key must not be empty or start or end with whitespace")
         return v
 
     @field_validator("autoscaling_config", "drafter_autoscaling_config")

@@ -10,6 +10,7 @@ keyed by request id; its LRU eviction also frees abandoned state. Nothing here k
 """
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import time
@@ -368,6 +369,7 @@ class Router:
         num_verifiers = (self.config.autoscaling_config or {}).get("max_replicas", self.config.num_replicas)
         # requests decoding at once; more would evict each other's state in the replicas' LRUs
         self._admission = asyncio.Semaphore(self.config.max_slots * num_verifiers)
+        self._num_waiting = 0  # requests waiting for admission; at most max_queued_requests (unless -1)
         self._info: dict | None = None
         self._frees: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("num_requests", "num_finished", "num_cancelled", "num_failed",
@@ -384,7 +386,7 @@ class Router:
         drafter = self.drafter.options(multiplexed_model_id=request_id)
         self.counters["num_requests"] += 1
         done = False
-        async with self._admission:
+        async with self._admitted():
             self._set_active(+1)
             try:
                 try:
@@ -439,6 +441,23 @@ class Router:
                     self.counters["num_cancelled"] += 1
                 self._free_later(request_id)
                 self._set_active(-1)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(self):
+        """Hold one of the decoding places; 503 when max_queued_requests requests already wait for one."""
+        limit = self.config.max_queued_requests
+        if self._admission.locked() and 0 <= limit <= self._num_waiting:
+            raise EngineRequestError(f"the server is overloaded ({self._num_waiting} requests wait for a decoding "
+                                     f"slot); retry later", 503)
+        self._num_waiting += 1
+        try:
+            await self._admission.acquire()
+        finally:
+            self._num_waiting -= 1
+        try:
+            yield
+        finally:
+            self._admission.release()
 
     def _set_active(self, change: int):
         self._num_active += change

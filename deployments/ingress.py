@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front (FastAPI on Ray Serve): /v1/chat/completions, /v1/completions,
-/v1/models, /health, with SSE streaming and OpenAI-shaped errors.
+/v1/models, /health, with SSE streaming and OpenAI-shaped errors, API keys and request size limits.
 
 It owns requests as text: validation, the chat template, tokenization, incremental detokenization,
 stop strings and usage. It knows nothing about decoding: token ids go to an engine replica through
@@ -7,6 +7,7 @@ a streaming DeploymentHandle and committed token ids come back.
 """
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -28,6 +29,8 @@ from deployments.metrics import RequestMetrics
 
 # ---- errors -----------------------------------------------------------------------------
 
+RETRY_AFTER_S = 1  # what an overloaded server (503) tells clients to wait before retrying
+
 
 class APIError(Exception):
     """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}}."""
@@ -42,16 +45,19 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status_code in (429, 503) else \
+            {"WWW-Authenticate": "Bearer"} if self.status_code == 401 else None
+        return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
 
 
 def from_replica_error(e: Exception) -> APIError:
     """An exception raised by the engine replica (Serve re-raises it wrapped) as an APIError."""
     cause = getattr(e, "cause", e)
     if isinstance(cause, EngineRequestError):
-        return APIError(cause.status_code, cause.message)
+        return APIError(cause.status_code, cause.message, code="overloaded" if cause.status_code == 503 else None)
     if isinstance(cause, BackPressureError):
-        return APIError(503, "the server is overloaded (every engine replica's queue is full); retry later")
+        return APIError(503, "the server is overloaded (every engine replica's queue is full); retry later",
+                        code="overloaded")
     return APIError(500, f"the engine failed: {type(cause).__name__}: {cause}")
 
 
@@ -59,6 +65,10 @@ def describe_validation_error(error: dict) -> tuple[str, str | None]:
     """One pydantic/FastAPI error as (readable message naming the field, param)."""
     if error.get("type") == "json_invalid":
         return f"invalid JSON body: {error.get('ctx', {}).get('error', 'could not parse it')}", None
+    if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+        return "the request body is missing: send a JSON object", None
+    if isinstance(error.get("input"), bytes):  # FastAPI parses JSON only when the Content-Type says so
+        return "the request body must be JSON, sent with the header 'Content-Type: application/json'", None
     loc = [str(x) for x in error.get("loc", ()) if x != "body"]
     # drop union-member tags ("str", "list[int]") that pydantic puts into the location
     loc = [x for x in loc if not (x.startswith(("list[", "function-")) or x in ("str", "int", "float", "bool"))]
@@ -74,6 +84,67 @@ def describe_validation_error(error: dict) -> tuple[str, str | None]:
 api = FastAPI(title="dflash-serve", description="OpenAI-compatible API over DFlash speculative decoding")
 
 
+def authorization_error(header: str | None, keys: list[str]) -> APIError | None:
+    """None if the Authorization header carries one of `keys` (or no keys are set); never echoes the key."""
+    if not keys:
+        return None
+    scheme, _, key = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return APIError(401, "no API key: send it in the header 'Authorization: Bearer YOUR_KEY'",
+                        code="missing_api_key")
+    given = key.strip().encode()
+    if not any([hmac.compare_digest(given, k.encode()) for k in keys]):  # a list: compare with every key
+        return APIError(401, "the API key is not valid", code="invalid_api_key")
+    return None
+
+
+class RequestGuard:
+    """ASGI middleware in front of every route: the API key on all but /health (401), then the body size
+    limit (413; the body is read here, at most max_request_bytes of it, and replayed to the route).
+    Its settings are the app's state, set by the ingress replica: api.state.api_keys, .max_request_bytes."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope["app"].state
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        error = None if scope["path"] == "/health" else \
+            authorization_error(headers.get("authorization"), getattr(state, "api_keys", []))
+        limit = getattr(state, "max_request_bytes", AppConfig.model_fields["max_request_bytes"].default)
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                             code="request_too_large")
+        length = headers.get("content-length", "")
+        if error is None and length.isdigit() and int(length) > limit:
+            error = too_large
+        if error is not None:
+            return await error.response()(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                return await too_large.response()(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: the disconnect, when the client leaves
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+api.add_middleware(RequestGuard)
+
+
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError):
     message, param = describe_validation_error(exc.errors()[0])
@@ -87,6 +158,8 @@ async def _api_error(request: Request, exc: APIError):
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI could not decode it
+        return APIError(400, f"invalid JSON body: {exc.__cause__}").response()
     return APIError(exc.status_code, str(exc.detail)).response()
 
 
@@ -95,7 +168,7 @@ async def _internal_error(request: Request, exc: Exception):
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
 
-# ---- request models -------------------------------------------------------------------------
+# ---- request and response models ------------------------------------------------------------
 
 # Accepted only at the value that means "off": anything else is answered 400, never silently ignored.
 NEUTRAL_VALUES = {
@@ -105,22 +178,43 @@ NEUTRAL_VALUES = {
 }
 
 
+MAX_STOPS = 16  # stop strings per request (each is searched for in the text after every step)
+MAX_STOP_CHARS = 256
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as in vLLM): 1/T would overflow the logits
+
+
+def check_text(value, field: str):
+    """Text must encode as UTF-8: JSON's escapes can carry lone surrogates (\\ud800) that no tokenizer takes."""
+    for text in [value] if isinstance(value, str) else value:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{field} is not valid Unicode (it holds a lone surrogate)") from None
+    return value
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by both endpoints; OpenAI's names, plus the extensions top_k and block_size."""
+    """Fields shared by both endpoints; OpenAI's names, plus the extensions top_k and block_size. Strict
+    types: a string is not a number, nor a number a string."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False,
+                               description=f"0 (or below {GREEDY_BELOW:g}) decodes greedily")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, description="extension: sample among the k likeliest tokens; 0 disables it")
-    seed: int | None = None
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    top_k: int = Field(0, ge=0, le=2**31 - 1,
+                       description="extension: sample among the k likeliest tokens; 0 disables it")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = Field(None, validate_default=True, description=f"up to {MAX_STOPS} strings")
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -139,7 +233,11 @@ class SamplingRequest(BaseModel):
         stops = [v] if isinstance(v, str) else v or []
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
-        return stops
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings are supported, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return check_text(stops, "stop")
 
     def check_supported(self):
         for name, value in (self.model_extra or {}).items():
@@ -147,18 +245,29 @@ class SamplingRequest(BaseModel):
                 raise APIError(400, f"{name} is not supported by this server", param=name)
 
     def sampling_params(self, max_tokens: int | None) -> dict:
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "seed": self.seed, "block_size": self.block_size}
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
+
+    @field_validator("content")
+    @classmethod
+    def _unicode(cls, v):
+        check_text([v] if isinstance(v, str) else [p.text for p in v], "content")
+        return v
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -181,7 +290,31 @@ class CompletionRequest(SamplingRequest):
             v = v[0]
         if len(v) == 0:
             raise ValueError("the prompt is empty")
-        return v
+        return check_text(v, "prompt")
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+# What the OpenAPI schema (/openapi.json) promises: OpenAI-shaped errors, and JSON or SSE from the generators.
+ERRORS = {
+    "4XX": {"model": ErrorResponse, "description": "a bad request, a missing or wrong API key (401), an unknown "
+            "model (404), a body over the size limit (413)"},
+    "5XX": {"model": ErrorResponse, "description": "overloaded (503, with Retry-After), timed out (504) or failed"},
+}
+GENERATED = {200: {"description": "the completion (JSON), or with stream=true its chunks as server-sent events",
+                   "content": {"text/event-stream": {"schema": {  # one event
+                       "type": "object", "required": ["data"], "properties": {"data": {
+                           "type": "string", "description": "a JSON chunk, a JSON error, or [DONE] at the end"}}}}}},
+            **ERRORS}
 
 
 # ---- text from a token stream ---------------------------------------------------------------
@@ -305,7 +438,13 @@ class Generation:
             if self.finish_reason is None:  # an error, a timeout or the client left
                 self.metrics.observe_finished("abort", None)
             if self.finish_reason is None or self.text.stopped:  # left early, or a stop string: stop the replica
-                self._response.cancel()
+                self._cancel()
+
+    def _cancel(self):
+        try:
+            self._response.cancel()
+        except Exception:  # the call never reached a replica (e.g. BackPressureError): nothing to cancel
+            pass
 
     async def _next_chunk(self) -> dict:
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0)
@@ -339,20 +478,24 @@ class OpenAIIngress:
 
         self.engine = engine
         self.config = AppConfig.model_validate(config)
+        api.state.api_keys = [k.get_secret_value() for k in self.config.api_keys]
+        api.state.max_request_bytes = self.config.max_request_bytes
         self.tokenizer = load_tokenizer(resolve_target(self.config.target))
         self.created = int(time.time())
         self._info: dict | None = None
         self.metrics = RequestMetrics(self.config.model_name, self.config.topology)
 
-    @api.get("/health")
+    @api.get("/health", responses={503: {"model": ErrorResponse, "description": "no healthy engine replica"}})
     async def health(self):
         try:
             replica = await asyncio.wait_for(self.engine.health.remote(), 10)
         except Exception as e:
+            if isinstance(getattr(e, "cause", e), BackPressureError):
+                return from_replica_error(e).response()
             return APIError(503, f"no healthy engine replica: {type(e).__name__}").response()
         return {"status": "ok", "engine": replica}
 
-    @api.get("/v1/models")
+    @api.get("/v1/models", responses=ERRORS)
     async def models(self):
         info = await self._replica_info()
         return {"object": "list", "data": [{
@@ -360,7 +503,7 @@ class OpenAIIngress:
             "max_model_len": info["max_len"], "drafter": info["drafter"], "max_block_size": info["max_block_size"],
         }]}
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", responses=GENERATED)
     async def chat_completions(self, body: ChatCompletionRequest):
         self._check(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
@@ -372,7 +515,7 @@ class OpenAIIngress:
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await self._respond(body, prompt_ids, max_tokens, "chatcmpl", chat=True)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", responses=GENERATED)
     async def completions(self, body: CompletionRequest):
         self._check(body)
         prompt = body.prompt

@@ -5,25 +5,36 @@
 import os
 import time
 
+API_KEYS_ENV = "DFLASH_API_KEYS"  # a comma list of API keys, added to --api-key's
 
-def serve_forever(args):
+
+def app_config(args):
+    """The AppConfig of the `serve` flags (and DFLASH_API_KEYS); unset flags keep AppConfig's defaults."""
+    from deployments.config import AppConfig
+
+    optional = {"max_queued_requests": args.max_queued_requests, "request_timeout_s": args.request_timeout_s}
+    keys = [*args.api_key, *(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())]
+    return AppConfig(
+        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, policy=args.policy,
+        block_size=args.block_size, max_slots=args.max_slots, num_replicas=args.num_replicas, api_keys=keys,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+
+
+def serve_forever(config, port: int):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else Ray 2.60 binds the external address
     import ray
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import AppConfig
 
-    config = AppConfig(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, policy=args.policy,
-        block_size=args.block_size, max_slots=args.max_slots, num_replicas=args.num_replicas,
-    )
-    ray.init(address="local", num_cpus=max(2, args.num_replicas), include_dashboard=False,
+    ray.init(address="local", num_cpus=max(2, config.num_replicas), include_dashboard=False,
              _node_ip_address="127.0.0.1")
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="dflash", route_prefix="/")
-        print(f"dflash-serve: serving {config.model_name} at http://127.0.0.1:{args.port}/v1 (Ctrl-C stops)",
+        auth = f", {len(config.api_keys)} API key(s) required" if config.api_keys else ""
+        print(f"dflash-serve: serving {config.model_name} at http://127.0.0.1:{port}/v1{auth} (Ctrl-C stops)",
               flush=True)
         while True:
             time.sleep(3600)

@@ -120,6 +120,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     srv.add_argument("--dtype", default="auto", choices=DTYPES)
     srv.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     srv.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
+    srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on every route but /health (repeatable); "
+                          "DFLASH_API_KEYS (a comma list) adds keys without showing them in the process list")
+    srv.add_argument("--max-queued-requests", type=int, default=None,
+                     help="requests waiting for a replica before new ones get 503 + Retry-After (-1: no limit; default 64)")
+    srv.add_argument("--request-timeout-s", type=float, default=None,
+                     help="longest a request may run before it is cancelled with 504 (default 600)")
     srv.set_defaults(int8_drafter=False)
 
     dg = subs.add_parser("datagen", help="regenerate responses with the target and capture its features (drafter training data)")
@@ -344,7 +351,11 @@ def cmd_bench_serve(args):
 def cmd_serve(args):
     from deployments import launch  # imports Ray when it runs: engine/ never imports it up front
 
-    launch.serve_forever(args)
+    try:
+        config = launch.app_config(args)
+    except ValueError as e:  # pydantic's ValidationError names the field
+        build_parser()[1]["serve"].error(str(e))
+    launch.serve_forever(config, args.port)
 
 
 def cmd_datagen(args):
