@@ -5,10 +5,20 @@ models or HTTP. Everything that can be checked without loading a model fails her
 """
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+
+API_KEYS_ENV = "DFLASH_API_KEYS"  # a comma list of API keys, in addition to AppConfig.api_keys
+
+
+def env_api_keys() -> list[str]:
+    """The API keys in this process's DFLASH_API_KEYS (on a cluster: the nodes' environment, so a secret
+    need not sit in the Serve config, which the dashboard shows)."""
+    return [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
 
 
 class AppConfig(BaseModel):
@@ -59,7 +69,7 @@ class AppConfig(BaseModel):
         "cancelled, its state freed and the client answered 504 (None: no limit).")
     api_keys: list[SecretStr] = Field(
         [], description="Bearer keys clients must send (Authorization: Bearer KEY) on every route but /health; "
-        "empty: no authentication. `dflash-serve serve` also reads them from DFLASH_API_KEYS (comma list).")
+        "empty (and no DFLASH_API_KEYS in the ingress's environment): no authentication.")
     max_request_bytes: int = Field(
         1 << 20, ge=1024, description="Largest request body accepted; larger ones are answered 413.")
 

@@ -23,7 +23,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import AppConfig
+from deployments.config import AppConfig, env_api_keys
 from deployments.engine_replica import EngineRequestError, resolve_target
 from deployments.metrics import RequestMetrics
 
@@ -111,7 +111,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         state = scope["app"].state
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        error = None if scope["path"] == "/health" else \
+        path = scope["path"].removeprefix(scope.get("root_path", ""))  # the route, without Serve's route_prefix
+        error = None if path == "/health" else \
             authorization_error(headers.get("authorization"), getattr(state, "api_keys", []))
         limit = getattr(state, "max_request_bytes", AppConfig.model_fields["max_request_bytes"].default)
         too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes",
@@ -121,7 +122,7 @@ class RequestGuard:
             error = too_large
         if error is not None:
             return await error.response()(scope, receive, send)
-        body, more = b"", True
+        body, more = bytearray(), True
         while more:
             message = await receive()
             if message["type"] != "http.request":  # the client left
@@ -137,7 +138,7 @@ class RequestGuard:
             if replayed:
                 return await receive()  # after the body: the disconnect, when the client leaves
             replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
 
@@ -478,7 +479,7 @@ class OpenAIIngress:
 
         self.engine = engine
         self.config = AppConfig.model_validate(config)
-        api.state.api_keys = [k.get_secret_value() for k in self.config.api_keys]
+        api.state.api_keys = [*(k.get_secret_value() for k in self.config.api_keys), *env_api_keys()]
         api.state.max_request_bytes = self.config.max_request_bytes
         self.tokenizer = load_tokenizer(resolve_target(self.config.target))
         self.created = int(time.time())

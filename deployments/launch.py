@@ -5,15 +5,12 @@
 import os
 import time
 
-API_KEYS_ENV = "DFLASH_API_KEYS"  # a comma list of API keys, added to --api-key's
-
-
 def app_config(args):
     """The AppConfig of the `serve` flags (and DFLASH_API_KEYS); unset flags keep AppConfig's defaults."""
-    from deployments.config import AppConfig
+    from deployments.config import AppConfig, env_api_keys
 
     optional = {"max_queued_requests": args.max_queued_requests, "request_timeout_s": args.request_timeout_s}
-    keys = [*args.api_key, *(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())]
+    keys = [*args.api_key, *env_api_keys()]  # the replicas would read the environment too; this shows the count
     return AppConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, policy=args.policy,
         block_size=args.block_size, max_slots=args.max_slots, num_replicas=args.num_replicas, api_keys=keys,
