@@ -173,6 +173,58 @@ def test_timeout_ends_a_running_request_and_frees_its_slot(server, replica):
     assert replica.stats.remote().result()["num_cancelled"] == cancelled + 1
 
 
+DISAGGREGATED = CONFIG.model_copy(update={"topology": "disaggregated", "num_cpus": 0.5, "drafter_num_cpus": 0.5})
+
+
+@pytest.fixture(scope="module")
+def disaggregated(serve_cluster):
+    """The same limits in the disaggregated topology, under a route prefix (half a CPU per replica, so both
+    apps fit the session's two CPUs)."""
+    yield deploy(build_app(DISAGGREGATED), APP_NAME + "-disagg", serve_cluster, route_prefix="/disagg")
+    serve.delete(APP_NAME + "-disagg")
+
+
+@pytest.mark.slow
+def test_disaggregated_router_answers_503_when_its_queue_is_full_and_times_out_cleanly(disaggregated):
+    """One decoding place: A decodes, B waits in the router; the next ones get 503 with Retry-After at once.
+    The timeout then ends A and B, and both replicas hold no state."""
+    server = disaggregated
+    router = serve.get_deployment_handle("Router", APP_NAME + "-disagg")
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200  # no key for health behind a prefix
+    assert ask(server, headers={"Content-Type": "application/json"}).status_code == 401
+    results = {}
+
+    def post(name):
+        start = time.monotonic()
+        results[name] = (httpx.post(f"{server}/v1/chat/completions", json=LONG, headers=AUTH, timeout=60),
+                         time.monotonic() - start)
+
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json={**LONG, "stream": True}, headers=AUTH,
+                      timeout=60) as a:
+        lines = a.iter_lines()
+        assert a.status_code == 200 and next(lines).startswith("data: ")
+        b = threading.Thread(target=post, args=("B",))
+        b.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        c = ask(server)
+        c_seconds = time.monotonic() - start
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    b.join()
+    assert "overloaded" in error_of(c, 503, "overloaded") and c.headers["Retry-After"] == "1"
+    assert c_seconds < 1.0, f"the 503 took {c_seconds:.2f} s"
+    assert json.loads(events[-2])["error"]["code"] == "timeout"
+    assert "did not finish within 4 s" in error_of(results["B"][0], 504, "timeout")
+    print(f"\ndisaggregated: 503 answered in {c_seconds * 1000:.0f} ms; the queued request timed out after "
+          f"{results['B'][1]:.1f} s")
+    router.wait_for_frees.remote().result()
+    deadline = time.monotonic() + 10
+    while (slots := router.slots.remote().result())["used"] or slots["drafter"]["used"]:
+        assert time.monotonic() < deadline, f"state still held: {slots}"
+        time.sleep(0.1)
+    assert ask(server).status_code == 200
+
+
 # ---- logs ---------------------------------------------------------------------------------------
 
 
