@@ -18,6 +18,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # else Ray binds the machine's exter
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # replicas import `deployments` from this checkout
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"  # head and workers alike (the head alone turns it on when ~/.ray/auth_token exists)
 RAY="${RAY:-.venv/bin/ray}"
+PYTHON="${PYTHON:-.venv/bin/python}"  # the same environment as $RAY
 DIR="${DFLASH_CLUSTER_DIR:-/tmp/dflash-cluster}"
 PORT="${DFLASH_CLUSTER_PORT:-6390}"
 DASHBOARD_PORT="${DFLASH_CLUSTER_DASHBOARD_PORT:-8266}"
@@ -35,7 +36,7 @@ node_flags() {  # the flags every node shares, and ports of its own (several ray
 
 start_worker() {  # `ray start` for a worker node, kept on loopback: with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
   # Ray refuses worker nodes, and with it on it swaps 127.0.0.1 in --address for the external address
-  .venv/bin/python -c '
+  "$PYTHON" -c '
 import sys
 from ray._private import ray_constants, services
 from ray.scripts.scripts import main
