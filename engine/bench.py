@@ -50,6 +50,7 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "cpu"
     int8_drafter: bool = False
+    full_draft_head: bool = False  # ignore the drafter's reduced draft vocabulary
     batch_size: int | None = None
     repeats: int = 1
     json: str | None = None
@@ -128,6 +129,7 @@ def make_engine(loaded, spec: EngineSpec, cfg: BenchConfig, max_slots: int, max_
     return Engine(
         loaded.target, spec.drafter, max_slots=max_slots, max_len=max_len, policy=spec.policy,
         stop_token_ids=stop_token_ids(loaded.target_path), denoising_steps=cfg.denoising_steps,
+        reduced_draft_head=not cfg.full_draft_head,
     )
 
 
@@ -182,6 +184,9 @@ def setup(cfg: BenchConfig, prompts: list[Prompt], tmp: Path) -> Setup:
         notes.append("--int8-drafter: our methods use the int8 drafter; zlab uses the unquantised weights")
     if cfg.denoising_steps > 1:
         notes.append(f"--denoising-steps {cfg.denoising_steps}: zlab always runs one denoising pass")
+    if getattr(drafter, "draft_vocab", None) is not None and not cfg.full_draft_head:
+        notes.append(f"our methods draft from the drafter's {len(drafter.draft_vocab)}-token draft vocabulary; "
+                     "zlab scores the full vocabulary (--full-draft-head: like for like)")
     stops = stop_token_ids(loaded.target_path)
     hf_model = load_hf_model(loaded, cfg.device) if NEEDS_HF_MODEL & set(cfg.methods) else None
     engines = engine_specs(cfg, loaded.target, ours, block_size, notes)

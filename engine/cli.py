@@ -81,6 +81,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--batch-size", type=int, default=None, help="also time N concurrent requests in one engine")
     b.add_argument("--repeats", type=int, default=1, help="run the whole sweep N times, keep each run's fastest time")
+    b.add_argument("--full-draft-head", action="store_true", help="ignore the drafter's reduced draft vocabulary")
     b.add_argument("--json", default=None, metavar="PATH")
     b.add_argument("--plot", default=None, metavar="PATH.png")
     add_sampling_flags(b, max_new_tokens=64)
