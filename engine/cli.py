@@ -140,7 +140,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     dg.add_argument("--batch-size", type=int, default=32, help="requests decoded together")
     dg.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position (for distillation)")
     dg.add_argument("--feature-layers", type=comma_list(int), default=None, help="target layers to capture (default: 5 spread)")
-    dg.add_argument("--write-prompts", default=None, metavar="PATH.jsonl", help="only write the split's prompts as a bench prompt file")
+    dg.add_argument("--write-prompts", default=None, metavar="PATH.jsonl", help="only write the split's prompts (up to 600 characters) as a bench prompt file")
     dg.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
     dg.add_argument("--dtype", default="auto", choices=DTYPES)
     dg.add_argument("--device", default="cpu", help="cpu or cuda[:N]")

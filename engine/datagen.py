@@ -206,9 +206,9 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
     return out
 
 
-def write_prompt_file(path, sources=SOURCES, split="held-out"):
-    """The split's prompts as a bench prompt file (JSONL of chat messages)."""
-    items = load_prompts(sources, split)
+def write_prompt_file(path, sources=SOURCES, split="held-out", max_chars=600):
+    """The split's prompts of at most `max_chars` characters as a bench prompt file (JSONL of chat messages)."""
+    items = [p for p in load_prompts(sources, split) if len(p.text) <= max_chars]
     with open(path, "w") as f:
         for item in items:
             f.write(json.dumps({"messages": [{"role": "user", "content": item.text}]}) + "\n")
