@@ -233,3 +233,27 @@ def test_prompt_sources_and_held_out_split(tmp_path):
     n = write_prompt_file(tmp_path / "p.jsonl", ["code"], "held-out")
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert n == len(rows) == len([p for p in code if p.held_out and len(p.text) <= 600])
+
+
+@pytest.mark.slow
+def test_shipped_drafter_is_the_default_and_zlab_agrees(tmp_path):
+    """The committed drafter is the default one: bf16 safetensors in z-lab format within 50 MB; it
+    accepts drafts on held-out prompts; z-lab's DFlashDraftModel loads it and (float32, full head)
+    gives the same greedy output and acceptance lengths, step by step, as our engine."""
+    from engine.loading import DEFAULT_DRAFTER, load
+
+    files = sorted(p.name for p in DEFAULT_DRAFTER.iterdir())
+    assert files == ["config.json", "draft_vocab.json", "model.safetensors"]
+    assert sum(p.stat().st_size for p in DEFAULT_DRAFTER.iterdir()) < 50 * 2**20
+    assert json.loads((DEFAULT_DRAFTER / "config.json").read_text())["dtype"] == "bfloat16"
+    assert load(draft="default", dtype="float32").drafter_name == str(DEFAULT_DRAFTER)
+    out = tmp_path / "zlab.json"
+    r = run_cli("bench", "--prompts", str(ROOT / "docs/train/held-out-code.jsonl"), "--num-prompts", "2",
+                "--max-new-tokens", "32", "--dtype", "float32", "--methods", "dflash,zlab", "--full-draft-head",
+                "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    methods = json.loads(out.read_text())["methods"]
+    for ours, ref in zip(methods["dflash"]["prompts"], methods["zlab"]["prompts"]):
+        assert ours["output_ids"] == ref["output_ids"]
+        assert ours["acceptance_lengths"] == ref["acceptance_lengths"]
+    assert methods["dflash"]["tau"] > 1.05  # a trained drafter: drafts are accepted
