@@ -25,14 +25,15 @@ def serve_forever(config, port: int):
 
     from deployments.app import build_app
 
-    ray.init(address="local", num_cpus=max(2, config.num_replicas), include_dashboard=False,
-             _node_ip_address="127.0.0.1")
+    # the dashboard (Serve tab) on loopback; it also writes the discovery file cluster/prometheus.yml reads
+    context = ray.init(address="local", num_cpus=max(2, config.num_replicas), include_dashboard=True,
+                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="dflash", route_prefix="/")
         auth = f", {len(config.api_keys)} API key(s) required" if config.api_keys else ""
-        print(f"dflash-serve: serving {config.model_name} at http://127.0.0.1:{port}/v1{auth} (Ctrl-C stops)",
-              flush=True)
+        print(f"dflash-serve: serving {config.model_name} at http://127.0.0.1:{port}/v1{auth} (Ctrl-C stops); "
+              f"Ray dashboard at http://{context.dashboard_url}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

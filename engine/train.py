@@ -430,6 +430,9 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
         drafter.load_state_dict(ckpt["drafter"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
+        if rank == 0 and (out / "log.jsonl").exists():  # drop what was logged after the last save
+            lines = (out / "log.jsonl").read_text().splitlines(keepends=True)
+            (out / "log.jsonl").write_text("".join(l for l in lines if json.loads(l)["step"] <= state["step"]))
         generator.set_state(ckpt["generator"][rank] if rank < len(ckpt["generator"]) else ckpt["generator"][0])
     model = wrap(module) if wrap else module
     weights = position_weights(cfg.block_size)

@@ -108,10 +108,6 @@ def test_local_cluster_script_is_valid_bash_and_never_runs_a_bare_ray_stop():
 # ---- serve deploy to a local two-node cluster --------------------------------------------------------
 
 
-def nice(*cmd):
-    return ["nice", "-n", "19", *cmd]
-
-
 @pytest.fixture
 def local_cluster(tmp_path_factory):
     """scripts/local_cluster.sh with its own short temp dir and free ports; yields (env, dashboard URL),
@@ -120,14 +116,14 @@ def local_cluster(tmp_path_factory):
     env = {**os.environ, "DFLASH_CLUSTER_DIR": str(run_dir), "DFLASH_CLUSTER_PORT": str(free_port()),
            "DFLASH_CLUSTER_DASHBOARD_PORT": str(free_port()), "RAY_AUTH_MODE": "token",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    start = subprocess.run(nice(str(SCRIPT), "start", "2"), env=env, capture_output=True, text=True, timeout=180)
+    start = subprocess.run([str(SCRIPT), "start", "2"], env=env, capture_output=True, text=True, timeout=180)
     try:
         assert start.returncode == 0, start.stdout + start.stderr
-        status = subprocess.run(nice(str(SCRIPT), "status"), env=env, capture_output=True, text=True, timeout=60)
+        status = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True, text=True, timeout=60)
         assert "dflash_node_0" in status.stdout and "dflash_node_1" in status.stdout, status.stdout
         yield env, f"http://127.0.0.1:{env['DFLASH_CLUSTER_DASHBOARD_PORT']}"
     finally:
-        stop = subprocess.run(nice(str(SCRIPT), "stop"), env=env, capture_output=True, text=True, timeout=120)
+        stop = subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=120)
         assert stop.returncode == 0, stop.stderr
         left = subprocess.run(["ps", "-eo", "args="], capture_output=True, text=True).stdout
         assert f"{run_dir}/session_" not in left, "processes of the local cluster are still running"
@@ -142,7 +138,7 @@ def test_serve_deploy_to_a_local_two_node_cluster_answers(local_cluster, tmp_pat
     config_path = tmp_path / "serve_config.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     serve = str(ROOT / ".venv" / "bin" / "serve")
-    deploy = subprocess.run(nice(serve, "deploy", str(config_path), "-a", dashboard), env=env, cwd=ROOT,
+    deploy = subprocess.run([serve, "deploy", str(config_path), "-a", dashboard], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
     base = f"http://127.0.0.1:{port}"
@@ -165,6 +161,6 @@ def test_serve_deploy_to_a_local_two_node_cluster_answers(local_cluster, tmp_pat
         status = subprocess.run([serve, "status", "-a", dashboard], env=env, capture_output=True, text=True)
         assert "RUNNING" in status.stdout, status.stdout
     finally:
-        shutdown = subprocess.run(nice(serve, "shutdown", "-a", dashboard, "-y"), env=env, capture_output=True,
+        shutdown = subprocess.run([serve, "shutdown", "-a", dashboard, "-y"], env=env, capture_output=True,
                                   text=True, timeout=120)
         assert shutdown.returncode == 0, shutdown.stderr

@@ -105,7 +105,7 @@ def prometheus(serve_cluster, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     with open(folder / "prometheus.log", "w") as log:
         proc = subprocess.Popen(
-            ["nice", "-n", "19", binary, f"--config.file={folder / 'prometheus.yml'}",
+            [binary, f"--config.file={folder / 'prometheus.yml'}",
              f"--web.listen-address=127.0.0.1:{port}", f"--storage.tsdb.path={folder / 'data'}"],
             stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -128,6 +128,8 @@ def test_training_learns_resumes_and_saves_a_zlab_drafter(data_dirs, tmp_path):
     out.mkdir()
     first = train(TrainConfig(**{**cfg.__dict__, "steps": 4}), quiet=True)
     assert first["step"] == 4
+    with (out / "log.jsonl").open("a") as f:  # a step that was logged, then killed before its save
+        f.write(json.dumps({"step": 5, "loss": 0.0, "accuracy_per_pos": []}) + "\n")
     result = train(cfg, quiet=True)
     steps, evals = read_log(out / "log.jsonl")
     assert [e["step"] for e in steps] == list(range(1, 9))
