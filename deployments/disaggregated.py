@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -24,8 +23,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params
-from deployments.metrics import EngineMetrics, active_requests_gauge
+from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params, start_engine
+from deployments.metrics import active_requests_gauge
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -59,12 +58,7 @@ class _MirrorReplica:
     def _start(self, config: dict, role: str, build):
         self.config = AppConfig.model_validate(config)
         threads = self.config.drafter_torch_threads if role == "drafter" else self.config.torch_threads
-        torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
-                                            initargs=(threads,))
-        self.engine, self._info = self._executor.submit(build, self.config).result()
-        self.metrics = EngineMetrics(self.config.model_name, self.config.topology)
-        self.metrics.instrument(self.engine)
+        self._executor, self.engine, self._info, self.metrics = start_engine(self.config, threads, build)
         self.num_slots = self.engine.target_cache.num_slots
         self._held: dict[str, _Held] = {}
         self._evicted: list[_Held] = []

@@ -63,6 +63,17 @@ def cost_model_path(config: AppConfig, loaded, max_block: int) -> Path:
     return cache_dir() / "cost-models" / name
 
 
+def start_engine(config: AppConfig, threads: int, build):
+    """The engine thread of a replica: `build(config)` runs on it, and so does every later step.
+    Returns (executor, engine, info, metrics) with the engine's forwards instrumented."""
+    torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
+    executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(threads,))
+    engine, info = executor.submit(build, config).result()
+    metrics = EngineMetrics(config.model_name, config.topology)
+    metrics.instrument(engine)
+    return executor, engine, info, metrics
+
+
 def build_engine(config: AppConfig) -> tuple[Engine, dict]:
     """Load the models and build the engine with the configured block policy; also what was built."""
     from engine.loading import load, stop_token_ids
@@ -139,13 +150,8 @@ class _Stream:
 class EngineReplica:
     def __init__(self, config: dict):
         self.config = AppConfig.model_validate(config)
-        threads = self.config.torch_threads
-        torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads,
-                                            initargs=(threads,))
-        self.engine, self._info = self._executor.submit(build_engine, self.config).result()
-        self.metrics = EngineMetrics(self.config.model_name, self.config.topology)
-        self.metrics.instrument(self.engine)
+        self._executor, self.engine, self._info, self.metrics = start_engine(
+            self.config, self.config.torch_threads, build_engine)
         self.num_slots = self.engine.target_cache.num_slots
         self.max_waiting = self.config.replica_max_ongoing_requests
         self._waiting: deque[_Stream] = deque()

@@ -372,12 +372,11 @@ def schedule(cfg: TrainConfig, progress: float) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def setup(cfg: TrainConfig, rank=0):
+def setup(cfg: TrainConfig):
     """Data, target head, drafter and its training module for a config."""
-    from engine.default_model import MASK_TOKEN_ID
+    from engine.default_model import MASK_TOKEN_ID, resolve_model_path
     from engine.drafter import check_drafter_fits
     from engine.model import load_target
-    from engine.default_model import resolve_model_path
 
     data = DrafterData(cfg.data, cfg.feature_layers)
     held_out = DrafterData(cfg.held_out, data.feature_layers) if cfg.held_out else None
@@ -411,10 +410,9 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
     prepare_model) wraps the module for data-parallel training; `report(metrics, path)` is
     called after each save; `on_end(drafter)` at the end on every rank. Returns the final metrics."""
     cfg.check()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     out = Path(cfg.out)
     ckpt_path = out / "checkpoint.pt"
-    data, held_out, module, head, train_head, vocab_map = setup(cfg, rank)
+    data, held_out, module, head, train_head, vocab_map = setup(cfg)
     drafter = module.drafter
     params = [p for p in drafter.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
