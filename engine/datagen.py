@@ -74,8 +74,8 @@ def code_prompts() -> list[PromptItem]:
     for path in sorted(root.glob("*.py")):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError):
-            continue
+        except (SyntaxError, UnicodeDecodeError, SystemError, RecursionError):
+            continue  # CPython 3.11's ast.parse can raise SystemError on deep nesting inside a deep stack
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
