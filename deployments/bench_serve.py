@@ -402,14 +402,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_cluster() -> str:
+def start_cluster(num_cpus: int = RAY_CPUS) -> str:
     """A fresh local Ray cluster on loopback with Serve's proxy on a free 127.0.0.1 port; its URL."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported: else Ray 2.60 binds the external address
     import ray
     from ray import serve
 
     python_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": python_path}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -418,33 +418,41 @@ def start_cluster() -> str:
 
 def deploy(cfg: ServeBenchConfig, cluster_url: str, variants: list[str], timeout_s: float = 300) -> dict[str, str]:
     """Deploy each server variant as its own application and route prefix; {variant: base URL}."""
+    urls = deploy_apps({APP_NAMES[v]: (ROUTES[v], cfg.app_config(v)) for v in variants}, cluster_url, timeout_s)
+    return {v: urls[APP_NAMES[v]] for v in variants}
+
+
+def deploy_apps(apps: dict[str, tuple[str, AppConfig]], cluster_url: str, timeout_s: float = 300) -> dict[str, str]:
+    """Deploy {app name: (route prefix, config)} one after the other into the running cluster (so a
+    replica's start-up, e.g. the adaptive policy's profiling, has the machine to itself); returns
+    {app name: base URL} once every app answers /health."""
     import httpx
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
-    need = sum(cfg.app_config(v).num_cpus for v in variants)
+    need = sum(config.num_cpus for _, config in apps.values())
     free = ray.available_resources().get("CPU", 0)
     if need > free + 1e-9:
         raise ValueError(f"the server apps need {need:g} CPUs but the Ray cluster has {free:g} free; "
                          f"lower --num-cpus")
-    for v in variants:
-        serve.run(build_app(cfg.app_config(v)), name=APP_NAMES[v], route_prefix=ROUTES[v])  # waits until running
-    urls = {v: cluster_url + ROUTES[v] for v in variants}
+    for name, (route, config) in apps.items():
+        serve.run(build_app(config), name=name, route_prefix=route)  # waits until running
+    urls = {name: cluster_url + route for name, (route, _) in apps.items()}
     deadline = time.monotonic() + timeout_s
-    for v, url in urls.items():
+    for name, url in urls.items():
         while True:
-            status = serve.status().applications.get(APP_NAMES[v])
+            status = serve.status().applications.get(name)
             if status is not None and status.status == "DEPLOY_FAILED":
-                raise RuntimeError(f"{APP_NAMES[v]} failed to deploy: {status.message}")
+                raise RuntimeError(f"{name} failed to deploy: {status.message}")
             try:
                 if httpx.get(f"{url}/health", timeout=30).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{APP_NAMES[v]} was not healthy after {timeout_s:.0f} s")
+                raise TimeoutError(f"{name} was not healthy after {timeout_s:.0f} s")
             time.sleep(0.5)
     return urls
 

@@ -169,8 +169,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     dash = subs.add_parser("dashboards", help="write the Grafana dashboard (and push it to a Grafana server)")
     dashboards.add_arguments(dash)
+    lt = subs.add_parser("loadtest", help="Locust chat/RAG/agent load: speculation on vs off, fixed vs adaptive blocks")
+    lt.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
+    lt.add_argument("--users", type=comma_list(int), default=[1, 4, 16], help="comma list of concurrent users")
+    lt.add_argument("--variants", type=comma_list(str), default=["ar", "b2", "b4", "b8", "adaptive"],
+                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
+    lt.add_argument("--run-time", type=float, default=30.0, help="seconds of load per scenario, user count and variant")
+    lt.add_argument("--max-requests", type=int, default=500, help="requests per run at most")
+    lt.add_argument("--max-tokens", type=int, default=64)
+    lt.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    lt.add_argument("--shape", default="steady", choices=("steady", "poisson", "step"),
+                    help="steady users, Poisson think times, or a step ramp up to --users")
+    lt.add_argument("--think-time", type=float, default=2.0, help="--shape poisson: mean seconds between a user's requests")
+    lt.add_argument("--url", default=None, help="load a running server (http://127.0.0.1:PORT) instead of deploying the variants")
+    lt.add_argument("--max-slots", type=int, default=None, help="KV slots per replica (default: the largest --users)")
+    lt.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    lt.add_argument("--draft", default="default", help="drafter folder, or default | random")
+    lt.add_argument("--dtype", default="auto", choices=DTYPES)
+    lt.add_argument("--out", default="loadtest-report", help="folder for the report, plots, Locust CSVs and logs")
+    lt.add_argument("--seed", type=int, default=0)
     return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
-                    "dashboards": dash}
+                    "dashboards": dash, "loadtest": lt}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -404,9 +423,20 @@ def cmd_dashboards(args):
         sys.exit(1)
 
 
+def cmd_loadtest(args):
+    from loadtest import run  # imports Ray only to deploy: engine/ never imports it up front
+
+    fields = run.LoadTestConfig.__dataclass_fields__
+    cfg = run.LoadTestConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    problem = run.check_config(cfg)
+    if problem:
+        build_parser()[1]["loadtest"].error(problem)
+    run.run(cfg)
+
+
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
-    "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards,
+    "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards, "loadtest": cmd_loadtest,
 }
 
 

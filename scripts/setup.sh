@@ -4,7 +4,7 @@
 # default model. Idempotent: a second run with the same pyproject.toml installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS="${DFLASH_EXTRAS:-serve,train,dev}"
+EXTRAS="${DFLASH_EXTRAS:-serve,train,dev,loadtest}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"   # GPU machines: TORCH_SPEC=torch (PyPI's Linux wheel is the CUDA build)
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=".venv/.dflash-setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${EXTRAS}"

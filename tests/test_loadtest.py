@@ -1,0 +1,122 @@
+"""`dflash-serve loadtest`: the traffic it builds (real ShareGPT conversations, BM25 retrieval over the
+stdlib's docstrings, agent tasks with real tool results), and bounded Locust runs of every scenario
+against real server apps on the session's Ray cluster (speculation off, a fixed block, adaptive),
+with the report it writes. Flag checks need no cluster."""
+
+import json
+
+import pytest
+
+from engine import cli
+
+
+def test_traffic_is_real_and_held_out(tmp_path):
+    from engine.datagen import PromptItem, sharegpt_conversations
+    from loadtest import scenarios
+
+    data = scenarios.build(tmp_path / "s.json", num_items=30)
+    assert json.loads((tmp_path / "s.json").read_text()) == data
+
+    # chat: multi-turn conversations of ShareGPT's held-out split, turns as packaged (cut to a length)
+    held_out = {t["value"].strip()[: scenarios.MAX_TURN_CHARS] for c in sharegpt_conversations()
+                if PromptItem(f"sharegpt/{c['id']}", "sharegpt", "").held_out
+                for t in c["conversations"] if t.get("from") == "human"}
+    assert len(data["chat"]) >= 50
+    for turns in data["chat"]:
+        assert 2 <= len(turns) <= scenarios.MAX_TURNS and set(turns) <= held_out
+
+    # rag: the passages are what BM25 ranks first for the question, and by-name questions find their function
+    retriever = scenarios.Retriever(scenarios.stdlib_passages())
+    assert len(retriever.passages) > 1000
+    found_by_name = []
+    for item in data["rag"]:
+        assert [p["title"] for p in retriever.search(item["question"], scenarios.RAG_PASSAGES)] == item["passages"]
+        assert item["question"] in item["prompt"] and all(f"[{i + 1}]" in item["prompt"] for i in range(4))
+        if item["question"].startswith("What does `"):
+            found_by_name.append(item["question"].split("`")[1] in item["passages"])
+    assert sum(found_by_name) >= 0.6 * len(found_by_name), found_by_name
+
+    # agent: tools as JSON schemas in the system prompt; each observation is the real tool result
+    assert all(json.dumps(t["name"]) in data["agent"]["system"] for t in scenarios.TOOLS)
+    for t in data["agent"]["tasks"]:
+        call, observation = t["call"], json.loads(t["observation"])
+        if call["tool"] == "calculator":
+            assert observation["result"] == eval(call["arguments"]["expression"], {"__builtins__": {}})
+        elif call["tool"] == "http_status":
+            from http import HTTPStatus
+
+            assert observation["phrase"] == HTTPStatus(call["arguments"]["code"]).phrase
+        else:
+            assert [o["title"] for o in observation] == [p["title"] for p in retriever.search(
+                call["arguments"]["query"], 3)]
+    with pytest.raises(ValueError, match="not arithmetic"):
+        scenarios.calculate("__import__('os')")
+
+
+def test_json_replies_are_found_in_prose():
+    from loadtest.replies import parse_json_object
+
+    assert parse_json_object('Sure! ```json\n{"tool": "calculator", "arguments": {"expression": "1+1"}}\n```') == \
+        {"tool": "calculator", "arguments": {"expression": "1+1"}}
+    assert parse_json_object("{not json} then {\"answer\": \"42\"}") == {"answer": "42"}
+    assert parse_json_object("no object [1, 2]") is None
+
+
+@pytest.mark.slow
+def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
+    """Real Locust processes, real openai clients, real apps (ar, fixed block 2, adaptive): every
+    scenario at 2 users, bounded by requests; 0 failures; the report's figures are consistent."""
+    from ray import serve
+
+    from loadtest import run
+
+    cfg = run.LoadTestConfig(scenarios=["chat", "rag", "agent"], users=[2], variants=["ar", "b2", "adaptive"],
+                             run_time=20, max_requests=3, max_tokens=8, num_cpus=0.3, out=str(tmp_path / "report"))
+    report = run.run(cfg, cluster_url=serve_cluster)
+
+    assert not any(name.startswith("loadtest-") for name in serve.status().applications)  # cleaned up
+    out = tmp_path / "report"
+    assert (out / "loadtest.png").stat().st_size > 0
+    assert json.loads((out / "report.json").read_text())["results"].keys() == {"chat", "rag", "agent"}
+    md = (out / "report.md").read_text()
+    assert "## chat" in md and "## agent" in md and "Failures in all runs: 0." in md
+    for scenario, by_users in report["results"].items():
+        for variant, cell in by_users[2].items():
+            where = f"{scenario} {variant}"
+            assert cell["failures"] == 0 and 3 <= cell["requests"] <= 3 + 1, (where, cell)  # bounded: 3 + in flight
+            assert cell["output_tokens_per_s"] > 0, where
+            lat = cell["latency_ms"]
+            assert lat["E2E"]["count"] == cell["requests"] and lat["E2E"]["failures"] == 0, where
+            assert lat["TTFT"]["count"] >= cell["requests"], where  # a request cut at the bound may have a TTFT
+            assert 0 < lat["TTFT"]["p50"] <= lat["E2E"]["p99"], where
+            assert 0 < lat["TPOT"]["p50"] <= lat["TPOT"]["p90"], where
+            if variant == "ar":
+                assert cell["mean_acceptance_length"] is None and set(cell["block_sizes"]) <= {"1"}, where
+            else:
+                assert cell["mean_acceptance_length"] >= 1, where
+            if variant == "b2":
+                assert set(cell["block_sizes"]) <= {"1", "2"} and cell["block_sizes"].get("2"), where
+            if scenario == "agent":
+                assert cell["json_expected"] == cell["requests"], where
+        cmp = report["comparisons"][scenario][2]
+        assert cmp["best_fixed"] == "b2" and cmp["adaptive_vs_best_fixed"] > 0
+        assert cmp["b2"]["tokens_per_s_x"] > 0 and cmp["adaptive"]["tpot_x"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scenarios", "chat,video"], "--scenarios: unknown or none: video"),
+    (["--users", "0,4"], "--users must be a list of integers >= 1"),
+    (["--variants", "ar,b0"], "--variants: unknown or none: b0"),
+    (["--variants", "fast"], "--variants: unknown or none: fast"),
+    (["--run-time", "0"], "--run-time must be > 0"),
+    (["--max-requests", "0"], "--max-requests must be >= 1"),
+    (["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
+    (["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
+    (["--out", "/nonexistent/folder/report"], "--out /nonexistent/folder/report: the folder"),
+    (["--draft", "/nonexistent"], "--draft /nonexistent: no drafter there"),
+])
+def test_loadtest_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["loadtest", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
