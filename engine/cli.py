@@ -188,8 +188,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt.add_argument("--dtype", default="auto", choices=DTYPES)
     lt.add_argument("--out", default="loadtest-report", help="folder for the report, plots, Locust CSVs and logs")
     lt.add_argument("--seed", type=int, default=0)
+
+    sk = subs.add_parser("soak", help="mixed chat/RAG/agent load for a bounded time: replica memory and KV slots stay flat?")
+    sk.add_argument("--minutes", type=float, default=10.0, help="minutes of load")
+    sk.add_argument("--users", type=int, default=12, help="concurrent users, chat, RAG and agent in equal parts")
+    sk.add_argument("--max-tokens", type=int, default=64)
+    sk.add_argument("--sample-every", type=float, default=10.0, help="seconds between memory and slot samples")
+    sk.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy of the server")
+    sk.add_argument("--max-slots", type=int, default=8, help="KV slots of the engine replica")
+    sk.add_argument("--out", default="soak-report", help="folder for soak.md, soak.json, soak.png and Locust's files")
     return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
-                    "dashboards": dash, "loadtest": lt}
+                    "dashboards": dash, "loadtest": lt, "soak": sk}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -434,9 +443,21 @@ def cmd_loadtest(args):
     run.run(cfg)
 
 
+def cmd_soak(args):
+    from loadtest import soak
+
+    fields = soak.SoakConfig.__dataclass_fields__
+    cfg = soak.SoakConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    problem = soak.check_config(cfg)
+    if problem:
+        build_parser()[1]["soak"].error(problem)
+    soak.run(cfg)
+
+
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
     "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards, "loadtest": cmd_loadtest,
+    "soak": cmd_soak,
 }
 
 

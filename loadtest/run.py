@@ -124,8 +124,9 @@ def app_of(variant: str) -> str:
 # ---- one Locust run -------------------------------------------------------------------------------
 
 
-def locust_command(cfg: LoadTestConfig, scenario: str, users: int, url: str, prefix: Path, block: int | None,
+def locust_command(cfg: LoadTestConfig, scenarios: list[str], users: int, url: str, prefix: Path, block: int | None,
                    scenario_file: Path) -> list[str]:
+    """Locust, headless, as its own process: these scenarios' user classes (equal weights)."""
     files = f"{LOCUSTFILE},{STEP_SHAPE}" if cfg.shape == "step" else str(LOCUSTFILE)
     command = [sys.executable, "-m", "locust", "-f", files, "--headless", "--only-summary", "-u", str(users),
                "-r", str(users), "-t", f"{cfg.run_time:g}s", "--stop-timeout", "120", "--host", url,
@@ -138,14 +139,14 @@ def locust_command(cfg: LoadTestConfig, scenario: str, users: int, url: str, pre
         command += ["--step-users", str(max(1, users // 4)), "--step-time", f"{cfg.run_time / 4:g}"]
     if block is not None:
         command += ["--block-size", str(block)]
-    return command + [USERS[scenario]]
+    return command + [USERS[s] for s in scenarios]
 
 
 def run_cell(cfg: LoadTestConfig, scenario: str, users: int, variant: str, url: str, folder: Path,
              scenario_file: Path) -> dict:
     """One Locust run; its figures (latency percentiles in ms, throughput, acceptance)."""
     prefix = folder / f"{scenario}-u{users}-{variant}"
-    command = locust_command(cfg, scenario, users, url, prefix, variant_block(variant), scenario_file)
+    command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file)
     log = Path(f"{prefix}.log")
     with open(log, "w") as f:
         done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=cfg.run_time + 300,

@@ -120,3 +120,38 @@ def test_loadtest_flags(argv, message, capsys):
         cli.main(["loadtest", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
+    """A short soak (the README's is 10 minutes): mixed users, no failures, the replicas' memory
+    sampled, and every KV slot free once the load stops."""
+    from ray import serve
+
+    from loadtest import soak
+
+    cfg = soak.SoakConfig(minutes=0.3, users=3, max_tokens=16, sample_every=3, max_slots=2, num_cpus=0.5,
+                          out=str(tmp_path / "soak"))
+    report = soak.run(cfg, cluster_url=serve_cluster)
+
+    assert soak.APP not in serve.status().applications
+    assert set(report["traffic"]) == {"chat", "rag", "agent"}
+    assert all(t["requests"] > 0 and t["failures"] == 0 for t in report["traffic"].values()), report["traffic"]
+    assert set(report["memory"]) == {"EngineReplica", "OpenAIIngress"}
+    assert all(100 < m["baseline_mb"] < 8000 for m in report["memory"].values())
+    assert len(report["samples"]) >= 5 and report["max_used_slots"] == 2  # 3 users queue for 2 slots
+    assert report["end_used_slots"] == 0
+    assert (tmp_path / "soak" / "soak.png").stat().st_size > 0 and "# Soak" in (tmp_path / "soak" / "soak.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--minutes", "0"], "--minutes must be > 0"),
+    (["--users", "0"], "--users must be >= 1"),
+    (["--sample-every", "-1"], "--sample-every must be > 0"),
+    (["--max-slots", "0"], "--max-slots must be >= 1"),
+])
+def test_soak_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["soak", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
