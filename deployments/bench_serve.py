@@ -25,6 +25,7 @@ Ray and HTTP imports are inside functions: engine.cli imports this module only w
 
 import asyncio
 import json
+import math
 import os
 import statistics
 import time
@@ -38,15 +39,15 @@ from deployments.config import AppConfig
 from engine.prompts import DEFAULT_PROMPTS, chat
 
 ROOT = Path(__file__).resolve().parent.parent
-VARIANTS = ("server", "server-nospec", "in-process")
-APP_NAMES = {"server": "bench-serve-spec", "server-nospec": "bench-serve-nospec"}
-ROUTES = {"server": "/bench-spec", "server-nospec": "/bench-nospec"}
-RAY_CPUS = 2  # the cluster this command starts itself: what this machine has
+VARIANTS = ("server", "server-disagg", "server-nospec", "in-process")
+APP_NAMES = {"server": "bench-serve-spec", "server-disagg": "bench-serve-disagg", "server-nospec": "bench-serve-nospec"}
+ROUTES = {"server": "/bench-spec", "server-disagg": "/bench-disagg", "server-nospec": "/bench-nospec"}
+RAY_CPUS = 2  # what this machine has; a cluster this command starts declares at least what its apps reserve
 WARMUP_PROMPT = chat("Hi!")
 WARMUP_TOKENS = 4
 PERCENTILES = (50, 90, 99)
-DISAGGREGATED_NOTE = ("topology 'disaggregated' (separate drafter and verifier deployments): not available, "
-                      "not implemented yet; only 'colocated' is measured")
+DISAGGREGATED_NOTE = ("topology 'disaggregated' (separate drafter and verifier deployments): not measured; "
+                      "add server-disagg to --variants")
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ServeBenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    variants: list[str] = field(default_factory=lambda: list(VARIANTS))
+    variants: list[str] = field(default_factory=lambda: ["server", "server-nospec", "in-process"])
     num_prompts: int | None = None  # the first N built-in prompts; requests cycle through them
     target: str | None = None
     draft: str = "default"
@@ -78,12 +79,18 @@ class ServeBenchConfig:
         return self.temperature == 0
 
     def app_config(self, variant: str) -> AppConfig:
-        """The server application a variant deploys (speculation off: the same app with draft='none')."""
+        """The server application a variant deploys (speculation off: the same app with draft='none';
+        server-disagg: topology 'disaggregated', the drafter replica sized like the verifier)."""
+        gpus = 1 if self.device.startswith("cuda") else 0
         return AppConfig(
             target=self.target, draft="none" if variant == "server-nospec" else self.draft, dtype=self.dtype,
             device=self.device, policy=self.policy, block_size=self.block_size,
-            max_slots=self.max_slots or max(self.concurrency), num_cpus=self.num_cpus,
-            num_gpus=1 if self.device.startswith("cuda") else 0)
+            max_slots=self.max_slots or max(self.concurrency), num_cpus=self.num_cpus, num_gpus=gpus,
+            **({"topology": "disaggregated", "drafter_num_cpus": self.num_cpus, "drafter_num_gpus": gpus}
+               if variant == "server-disagg" else {}))
+
+    def reserved_cpus(self, variant: str) -> float:
+        return self.num_cpus * (2 if variant == "server-disagg" else 1)
 
 
 def check_config(cfg: ServeBenchConfig) -> str | None:
@@ -104,9 +111,8 @@ def check_config(cfg: ServeBenchConfig) -> str | None:
     if cfg.url is not None and not cfg.url.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
         return f"--url must be a loopback address (http://127.0.0.1:PORT), got {cfg.url}"
     servers = [v for v in cfg.variants if v in APP_NAMES]
-    if cfg.url is None and len(servers) * cfg.num_cpus > RAY_CPUS:
-        return (f"--num-cpus {cfg.num_cpus:g}: {len(servers)} server apps x {cfg.num_cpus:g} CPUs do not fit "
-                f"the {RAY_CPUS}-CPU cluster")
+    if cfg.url is not None and "server-disagg" in servers:
+        return "--url: server-disagg deploys its own app; drop it from --variants when attaching to a server"
     for dest in ("json", "plot"):
         path = getattr(cfg, dest)
         if path is not None and not Path(path).resolve().parent.is_dir():
@@ -432,7 +438,8 @@ def deploy_apps(apps: dict[str, tuple[str, AppConfig]], cluster_url: str, timeou
 
     from deployments.app import build_app
 
-    need = sum(config.num_cpus for _, config in apps.values())
+    need = sum(config.num_cpus + (config.drafter_num_cpus if config.topology == "disaggregated" else 0)
+               for _, config in apps.values())
     free = ray.available_resources().get("CPU", 0)
     if need > free + 1e-9:
         raise ValueError(f"the server apps need {need:g} CPUs but the Ray cluster has {free:g} free; "
@@ -511,6 +518,8 @@ def key_ratios(results: dict, concurrency: list[int]) -> dict:
     for v in results:
         out[f"{v} @{hi}/@{lo}"] = ratio(tps(v, hi), tps(v, lo))
     out[f"spec on/off (server) @{hi}"] = ratio(tps("server", hi), tps("server-nospec", hi))
+    out[f"disaggregated/in-process @{lo}"] = ratio(tps("server-disagg", lo), tps("in-process", lo))
+    out[f"disaggregated/colocated @{hi}"] = ratio(tps("server-disagg", hi), tps("server", hi))
     if hi != lo:
         out[f"server/in-process @{hi}"] = ratio(tps("server", hi), tps("in-process", hi))
     return out
@@ -540,7 +549,7 @@ def plot(report: dict, path):
     c = report["config"]
     fig.suptitle(f"{Path(c['target_path']).name}, drafter {c['drafter']}, {c['dtype_resolved']}, {c['device']}, "
                  f"T={c['temperature']}, {c['num_requests']} requests x {c['max_tokens']} tokens per level "
-                 f"(colocated; disaggregated: not available)", fontsize=9)
+                 f"(server: colocated; server-disagg: disaggregated)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -565,7 +574,7 @@ def run(cfg: ServeBenchConfig, cluster_url: str | None = None) -> dict:
     if problem:
         raise ValueError(problem)
     prompts = DEFAULT_PROMPTS[: cfg.num_prompts]
-    notes = [DISAGGREGATED_NOTE]
+    notes = [] if "server-disagg" in cfg.variants else [DISAGGREGATED_NOTE]
     servers = [v for v in cfg.variants if v in APP_NAMES]
     owned_cluster, deployed = False, []
     try:
@@ -578,7 +587,11 @@ def run(cfg: ServeBenchConfig, cluster_url: str | None = None) -> dict:
                                             else {})
         elif servers:
             if cluster_url is None:
-                cluster_url, owned_cluster = start_cluster(), True
+                need = sum(cfg.reserved_cpus(v) for v in servers)
+                cluster_url, owned_cluster = start_cluster(max(RAY_CPUS, math.ceil(need))), True
+                if need > RAY_CPUS:
+                    notes.append(f"the cluster declares {math.ceil(need)} CPUs for the apps' reservations on a "
+                                 f"{os.cpu_count()}-CPU machine; only one app is under load at a time")
             deployed = servers
             urls = deploy(cfg, cluster_url, servers)
             variants.update({v: ServerVariant(v, urls[v], cfg) for v in servers})
@@ -603,7 +616,9 @@ def run(cfg: ServeBenchConfig, cluster_url: str | None = None) -> dict:
                          "diverge there; in float32 they match")
         config = dict(asdict(cfg), num_prompts_run=len(prompts), prompts="engine.prompts.DEFAULT_PROMPTS (chat)",
                       servers=info, notes=notes, machine=machine(),
-                      topologies={"colocated": "measured", "disaggregated": "not available (not implemented yet)"})
+                      topologies={"colocated": "measured" if "server" in cfg.variants else "not measured",
+                                  "disaggregated": "measured" if "server-disagg" in cfg.variants else
+                                  "not measured (add server-disagg to --variants)"})
         if inproc is not None:
             config.update(target_path=str(inproc.loaded.target_path), drafter=inproc.loaded.drafter_name,
                           dtype_resolved=str(inproc.loaded.dtype).removeprefix("torch."),

@@ -92,7 +92,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s.add_argument("--num-requests", type=int, default=8, help="requests per concurrency level and variant")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--variants", type=comma_list(str), default=["server", "server-nospec", "in-process"],
-                   help="comma list of server, server-nospec, in-process")
+                   help="comma list of server (colocated), server-disagg (disaggregated), server-nospec, in-process")
     s.add_argument("--num-prompts", type=int, default=None, help="cycle through the first N built-in prompts")
     s.add_argument("--url", default=None, help="attach to a running server (http://127.0.0.1:PORT) instead of starting one")
     s.add_argument("--num-cpus", type=float, default=1.0, help="CPUs (and torch threads) per engine replica")

@@ -28,8 +28,8 @@ def test_bench_serve_report(serve_cluster, tmp_path):
     assert set(serve.status().applications).isdisjoint(bench_serve.APP_NAMES.values())  # cleaned up
     saved = json.loads((tmp_path / "r.json").read_text())
     assert (tmp_path / "r.png").stat().st_size > 0
-    assert set(saved["results"]) == set(bench_serve.VARIANTS)
-    assert saved["config"]["topologies"]["disaggregated"].startswith("not available")
+    assert set(saved["results"]) == set(cfg.variants) == set(bench_serve.VARIANTS) - {"server-disagg"}
+    assert saved["config"]["topologies"]["disaggregated"].startswith("not measured")
     assert saved["config"]["drafter"] == "random" and saved["config"]["torch_threads"] == 1
     for variant, levels in report["results"].items():
         assert list(levels) == LEVELS
@@ -52,21 +52,42 @@ def test_bench_serve_report(serve_cluster, tmp_path):
     assert ratios["server @2/@1"] > 0
 
 
+@pytest.mark.slow
+def test_bench_serve_disaggregated(serve_cluster, tmp_path):
+    """The disaggregated topology (router, drafter and verifier deployments) beside the in-process engine:
+    same greedy text, and its ratios in the report."""
+    from ray import serve
+
+    from deployments import bench_serve
+
+    cfg = bench_serve.ServeBenchConfig(concurrency=[1], num_requests=2, max_tokens=8, draft="random", dtype="float32",
+                                       num_cpus=0.5, variants=["server-disagg", "in-process"])
+    report = bench_serve.run(cfg, cluster_url=serve_cluster)
+
+    assert bench_serve.APP_NAMES["server-disagg"] not in serve.status().applications
+    assert report["config"]["topologies"] == {"colocated": "not measured", "disaggregated": "measured"}
+    m = report["results"]["server-disagg"][1]
+    assert m["errors"] == 0 and m["completed"] == 2 and m["num_drafts"] > 0, m["error_messages"]
+    assert m["match_in_process"] == 1.0, m["mismatched_requests"]
+    assert report["key_ratios"]["disaggregated/in-process @1"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--concurrency", "0,2"], "--concurrency must be a list of integers >= 1"),
     (["--concurrency", "1,x"], "--concurrency"),
     (["--num-requests", "0"], "--num-requests must be >= 1"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--variants", "server,foo"], "--variants: unknown or none: foo"),
+    (["--variants", "server-disagg", "--url", "http://127.0.0.1:8000"], "--url: server-disagg deploys its own app"),
+    (["--variants", "server-disagg", "--policy", "adaptive"], "policy 'adaptive' is not supported with topology"),
     (["--draft", "none"], "--draft none: the server is already without speculation"),
-    (["--num-cpus", "1.5"], "do not fit the 2-CPU cluster"),
     (["--url", "http://10.1.2.3:8000"], "--url must be a loopback address"),
     (["--plot", "out.pdf"], "--plot must be a .png path"),
     (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--num-prompts", "99"], "--num-prompts must be in 1..8"),
-], ids=["concurrency", "concurrency-type", "num-requests", "max-tokens", "variants", "draft-none", "num-cpus", "url",
-        "plot", "json", "temperature", "num-prompts"])
+], ids=["concurrency", "concurrency-type", "num-requests", "max-tokens", "variants", "disagg-url", "disagg-adaptive",
+        "draft-none", "url", "plot", "json", "temperature", "num-prompts"])
 def test_bench_serve_bad_flags_fail_before_ray(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("deployments.bench_serve.run", lambda cfg: pytest.fail("ran despite a bad flag"))
     with pytest.raises(SystemExit) as exit_info:
