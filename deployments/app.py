@@ -4,6 +4,7 @@
 It owns how the deployments are wired and sized; the deployments themselves know nothing of it.
 Colocated topology: OpenAIIngress (tokenizer, HTTP) -> EngineReplica x N (drafter + target each).
 Disaggregated: OpenAIIngress -> Router -> DrafterReplica x N_d and VerifierReplica x N_v (scaled apart).
+With num_shards > 1, each replica that runs the target drives that many TargetShard actors in its placement group.
 """
 
 from ray.serve import Application
@@ -12,9 +13,23 @@ from deployments.config import AppConfig
 from deployments.disaggregated import DrafterReplica, Router, VerifierReplica
 from deployments.engine_replica import EngineReplica
 from deployments.ingress import OpenAIIngress
+from deployments.shards import check_num_shards, resource_bundle
 
 # The ingress only relays streams; requests are bounded (and queued) at the engine replicas.
 INGRESS_MAX_ONGOING_REQUESTS = 1024
+
+
+def target_placement(config: AppConfig) -> dict:
+    """Serve options of the replicas that run the target: their resources and, with num_shards > 1,
+    a placement group per replica (bundle 0 the replica, then one per shard; see deployments/shards.py)
+    that Serve reserves before it starts the replica and removes when the replica goes."""
+    options = {"ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus}}
+    if config.num_shards > 1:
+        check_num_shards(config)
+        bundles = [resource_bundle(config.num_cpus, config.num_gpus)]
+        bundles += [resource_bundle(config.shard_num_cpus, config.shard_num_gpus)] * config.num_shards
+        options.update(placement_group_bundles=bundles, placement_group_strategy=config.shard_placement)
+    return options
 
 
 def build_app(config: AppConfig | dict) -> Application:
@@ -27,8 +42,7 @@ def build_app(config: AppConfig | dict) -> Application:
         drafter_scaling = {"autoscaling_config": config.drafter_autoscaling_config} \
             if config.drafter_autoscaling_config else {"num_replicas": config.drafter_num_replicas}
         verifier = VerifierReplica.options(
-            **scaling, max_ongoing_requests=config.replica_max_ongoing_requests,
-            ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+            **scaling, max_ongoing_requests=config.replica_max_ongoing_requests, **target_placement(config),
         ).bind(args)
         drafter = DrafterReplica.options(
             **drafter_scaling, max_ongoing_requests=config.replica_max_ongoing_requests,
@@ -43,7 +57,7 @@ def build_app(config: AppConfig | dict) -> Application:
             **scaling,
             max_ongoing_requests=config.replica_max_ongoing_requests,
             max_queued_requests=config.max_queued_requests,
-            ray_actor_options={"num_cpus": config.num_cpus, "num_gpus": config.num_gpus},
+            **target_placement(config),
         ).bind(args)
     return OpenAIIngress.options(
         num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS, ray_actor_options={"num_cpus": 0},

@@ -47,6 +47,17 @@ class AppConfig(BaseModel):
         1, gt=0, description="CPUs reserved per engine replica; torch uses this many threads in it.")
     num_gpus: float = Field(0, ge=0, description="GPUs reserved per engine replica (set with device='cuda').")
     num_replicas: int = Field(1, ge=1, description="Engine replicas when autoscaling_config is not given.")
+    num_shards: int = Field(
+        1, ge=1, description="Pipeline shards of the target per verifier replica (per engine replica when colocated): "
+        "Ray actors holding contiguous layer ranges and their KV cache, at most one per target layer. 1: the "
+        "target runs in the replica's own process.")
+    shard_placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="With num_shards > 1: the placement group strategy of each replica and its shards "
+        "(one bundle each): 'PACK' on as few nodes as fit, 'SPREAD' across nodes; STRICT_* as in Ray.")
+    shard_num_cpus: float = Field(
+        1, gt=0, description="With num_shards > 1: CPUs reserved per shard; torch uses this many threads in it.")
+    shard_num_gpus: float = Field(
+        0, ge=0, description="With num_shards > 1: GPUs reserved per shard (set with device='cuda').")
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling for the engine replicas (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); replaces num_replicas.")
@@ -133,6 +144,8 @@ class AppConfig(BaseModel):
     def _consistent(self):
         if self.device.startswith("cuda") and self.num_gpus == 0:
             raise ValueError(f"device {self.device!r} needs num_gpus > 0 per replica")
+        if self.device.startswith("cuda") and self.num_shards > 1 and self.shard_num_gpus == 0:
+            raise ValueError(f"device {self.device!r} with num_shards {self.num_shards} needs shard_num_gpus > 0")
         if self.topology == "disaggregated":
             if self.draft == "none":
                 raise ValueError("topology 'disaggregated' needs a drafter (draft='none' has nothing to disaggregate)")

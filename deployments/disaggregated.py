@@ -25,6 +25,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params, start_engine
 from deployments.metrics import active_requests_gauge
+from deployments.shards import check_shards, start_shards
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -148,6 +149,10 @@ class _MirrorReplica:
     async def stats(self) -> dict:
         return {**self.counters, **await self.slots()}
 
+    async def check_health(self):
+        """Serve's health hook: unhealthy (replaced, shards and placement group anew) when a target shard is gone."""
+        await check_shards(self.engine.target)
+
     async def drop_state_after(self, num_calls: int):
         """Test hook: lose every request's state here at the `num_calls`-th draft/verify call from now,
         as a restarted replica would (the router must re-prefill)."""
@@ -172,12 +177,14 @@ def _load(config: AppConfig):
 
 
 def build_verifier(config: AppConfig) -> tuple[Engine, dict]:
-    """The target and its KV cache; the drafter is loaded only to learn which features it reads."""
+    """The target and its KV cache (with num_shards > 1: in shard actors, and only the slot bookkeeping
+    here); the drafter is loaded only to learn which features it reads."""
     from engine.loading import stop_token_ids
 
     loaded = _load(config)
     drafter = loaded.drafter
-    engine = Engine(loaded.target, None, max_slots=config.max_slots, max_len=config.max_len,
+    target = loaded.target if config.num_shards == 1 else start_shards(config, loaded.dtype)
+    engine = Engine(target, None, max_slots=config.max_slots, max_len=config.max_len,
                     stop_token_ids=stop_token_ids(loaded.target_path),
                     feature_layers=tuple(drafter.config.target_layer_ids))
     info = {
@@ -185,7 +192,7 @@ def build_verifier(config: AppConfig) -> tuple[Engine, dict]:
         "dtype": str(loaded.dtype).removeprefix("torch."), "device": config.device, "policy": config.policy,
         "max_block_size": config.block_size or drafter.config.block_size, "max_slots": engine.target_cache.num_slots,
         "max_len": engine.max_len, "torch_threads": torch.get_num_threads(), "topology": "disaggregated",
-        "stop_token_ids": list(engine.stop_token_ids),
+        "stop_token_ids": list(engine.stop_token_ids), "num_shards": config.num_shards,
     }
     return engine, info
 

@@ -20,6 +20,7 @@ from ray import serve
 
 from deployments.config import AppConfig
 from deployments.metrics import EngineMetrics
+from deployments.shards import check_shards, start_shards
 from engine.engine import Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
@@ -58,8 +59,9 @@ def cost_model_path(config: AppConfig, loaded, max_block: int) -> Path:
 
     drafter = Path(loaded.drafter_name).name
     dtype = str(loaded.dtype).removeprefix("torch.")
+    shards = f"-s{config.num_shards}x{config.shard_num_cpus:g}" if config.num_shards > 1 else ""
     name = f"{loaded.target_path.name}-{drafter}-{dtype}-{config.device.replace(':', '')}-" \
-           f"b{max_block}-n{config.max_slots}-t{config.torch_threads}.json"
+           f"b{max_block}-n{config.max_slots}-t{config.torch_threads}{shards}.json"
     return cache_dir() / "cost-models" / name
 
 
@@ -80,16 +82,22 @@ def build_engine(config: AppConfig) -> tuple[Engine, dict]:
     from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
 
     loaded = load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
+    target = loaded.target
+    if config.num_shards > 1:  # the layers go to shard actors; the drafter needs the embedding and LM head here
+        from engine.model import TargetHead
+
+        target = start_shards(config, loaded.dtype, head=TargetHead(loaded.target))
+        loaded.target = None
     max_block = 1 if loaded.drafter is None else config.block_size or loaded.drafter.config.block_size
     if config.policy == "adaptive" and loaded.drafter is not None:
         path = cost_model_path(config, loaded, max_block)
         path.parent.mkdir(parents=True, exist_ok=True)
         policy = AdaptiveBlockPolicy.profile(
-            loaded.target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
+            target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
     else:
         policy = FixedBlockPolicy(max_block)
     engine = Engine(
-        loaded.target, loaded.drafter, max_slots=config.max_slots, max_len=config.max_len, policy=policy,
+        target, loaded.drafter, max_slots=config.max_slots, max_len=config.max_len, policy=policy,
         stop_token_ids=stop_token_ids(loaded.target_path),
     )
     info = {
@@ -103,6 +111,7 @@ def build_engine(config: AppConfig) -> tuple[Engine, dict]:
         "max_slots": engine.target_cache.num_slots,
         "max_len": engine.max_len,
         "torch_threads": torch.get_num_threads(),  # as seen by the thread that runs the engine
+        "num_shards": config.num_shards,
     }
     return engine, info
 
@@ -201,7 +210,7 @@ class EngineReplica:
         return {"used": used, "total": self.num_slots, "running": len(self._running), "waiting": len(self._waiting)}
 
     async def health(self) -> dict:
-        self.check_health()
+        await self.check_health()
         return {"status": "ok", **await self.slots()}
 
     async def info(self) -> dict:
@@ -213,13 +222,15 @@ class EngineReplica:
         spec = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.stats.to_dict)
         return {**self.counters, "spec_decoding": spec, **await self.slots()}
 
-    def check_health(self):
-        """Serve's health hook: unhealthy (and restarted) when the step loop died or keeps failing."""
+    async def check_health(self):
+        """Serve's health hook: unhealthy (and restarted) when the step loop died or keeps failing, or a
+        target shard is gone."""
         task = self._loop_task
         if task is not None and task.done():
             raise RuntimeError(f"the engine step loop stopped: {'cancelled' if task.cancelled() else repr(task.exception())}")
         if self._consecutive_failures >= 3:
             raise RuntimeError(f"the last {self._consecutive_failures} engine steps failed")
+        await check_shards(self.engine.target)
 
     # ---- validation ---------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from engine.kv_cache import KVCache, SlotTable
@@ -210,21 +210,31 @@ class CachedModel(nn.Module):
 
 
 class TargetModel(CachedModel):
-    """The target LLM. Layers [layer_start, layer_end) may be a pipeline shard of a bigger model."""
+    """The target LLM, or one pipeline shard of it: layers [layer_start, layer_end), with the token
+    embedding only on the first shard (layer_start 0) and the final norm and LM head only on the last.
+    Its KV cache holds its own layers only."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer_start: int = 0, layer_end: int | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
+        self.layer_start, self.layer_end = layer_start, config.num_layers if layer_end is None else layer_end
+        if not 0 <= self.layer_start < self.layer_end <= config.num_layers:
+            raise ValueError(f"layers [{layer_start}, {layer_end}) are not a range of the model's {config.num_layers}")
+        first, last = self.layer_start == 0, self.layer_end == config.num_layers
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
+        self.layers = nn.ModuleList(Block(config) for _ in range(self.layer_start, self.layer_end))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        if config.tie_word_embeddings and first and last:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
 
+    def new_cache(self, num_slots, max_len) -> KVCache:
+        c = self.config
+        return KVCache(len(self.layers), num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
     def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
-        """Run new tokens of a batch of requests through the model, writing their keys/values.
+        """Run new tokens of a batch of requests through the (whole) model, writing their keys/values.
 
         input_ids    [batch, q] long
         positions    [batch, q] long, -1 marks padding (written to the cache's trash column)
@@ -234,25 +244,41 @@ class TargetModel(CachedModel):
         logits_index [batch, k] long or None: which of the q positions need logits
         returns logits [batch, k or q, vocab] (float32), features [batch, q, n * hidden] or None
         """
-        x = self.embed_tokens(input_ids)
+        logits, features = self.forward_shard(input_ids, positions, cache, slots, kv_len, feature_layers, logits_index)
+        return logits, ordered_features(features, feature_layers)
+
+    def forward_shard(self, inputs, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
+        """This model's part of forward when it is a pipeline shard (arguments as in forward).
+
+        inputs       token ids [batch, q] on the first shard, else the previous shard's hidden states [batch, q, hidden]
+        returns the hidden states after its layers [batch, q, hidden] (the last shard: logits as forward's),
+        and {layer id: output [batch, q, hidden]} for the feature_layers among its layers
+        """
+        x = inputs if self.embed_tokens is None else self.embed_tokens(inputs)
         rope_pos = positions.clamp_min(0)
         write_pos = torch.where(positions >= 0, positions, cache.max_len)
         cos, sin = self.rotary(rope_pos, x.dtype)
         slots = cache.batch_index(slots)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = (key_pos <= rope_pos[..., None])[:, None]  # [batch, 1, q, kv_len]
-        features = []
-        for i, layer in enumerate(self.layers):
+        features = {}
+        for i, layer in enumerate(self.layers):  # cache layer i holds model layer layer_start + i
             x = layer(x, cos, sin, cache, i, slots, write_pos, kv_len, mask)
-            if i in feature_layers:
-                features.append(x)
+            if self.layer_start + i in feature_layers:
+                features[self.layer_start + i] = x
+        if self.lm_head is None:
+            return x, features
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.norm(x)).float()
-        if not feature_layers:
-            return logits, None
-        ordered = [features[sorted(feature_layers).index(i)] for i in feature_layers]
-        return logits, torch.cat(ordered, dim=-1)
+        return self.lm_head(self.norm(x)).float(), features
+
+
+def ordered_features(features: dict, feature_layers) -> torch.Tensor | None:
+    """{layer id: [batch, q, hidden]} -> the feature_layers' outputs concatenated in their order
+    [batch, q, n * hidden] (None when none are asked for)."""
+    if not feature_layers:
+        return None
+    return torch.cat([features[i] for i in feature_layers], dim=-1)
 
 
 class TargetHead(CachedModel):
@@ -276,20 +302,25 @@ def read_hf_config(path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def load_safetensors_dir(path) -> dict:
+def load_safetensors_dir(path, keep=None) -> dict:
+    """Every tensor of a folder's *.safetensors files, or those whose name `keep(name)` accepts
+    (the others are never read)."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!s}")
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as tensors:
+            state.update({name: tensors.get_tensor(name) for name in tensors.keys() if keep is None or keep(name)})
     return state
 
 
-def fuse_hf_weights(state: dict, config: ModelConfig) -> dict:
-    """Map Hugging Face names to ours: strip `model.`, fuse q/k/v and gate/up projections."""
+def fuse_hf_weights(state: dict, config: ModelConfig, layers=None) -> dict:
+    """Map Hugging Face names to ours: strip `model.`, fuse q/k/v and gate/up projections. With a
+    range of layers (a pipeline shard), its layers are renumbered from 0."""
+    start, end = layers or (0, config.num_layers)
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    for i in range(config.num_layers):
+    for i in range(start, end):
         p = f"layers.{i}."
         for kind in ("weight", "bias"):
             names = [f"{p}self_attn.{n}_proj.{kind}" for n in "qkv"]
@@ -299,20 +330,48 @@ def fuse_hf_weights(state: dict, config: ModelConfig) -> dict:
             [state.pop(f"{p}mlp.gate_proj.weight"), state.pop(f"{p}mlp.up_proj.weight")]
         )
     if config.tie_word_embeddings:
+        embed = state.pop("embed_tokens.weight", None)
         state.pop("lm_head.weight", None)
+        if start == 0:
+            state["embed_tokens.weight"] = embed
+        if end == config.num_layers and start > 0:  # a last shard without the embedding: the tied head's copy
+            state["lm_head.weight"] = embed
+    if start > 0:
+        state = {_shift_layer(k, -start): v for k, v in state.items()}
     return state
 
 
-def load_target(path, dtype=torch.float32, device="cpu") -> TargetModel:
-    """Load a Llama-family Hugging Face checkpoint folder (config.json + *.safetensors)."""
+def _shift_layer(name: str, by: int) -> str:
+    if not name.startswith("layers."):
+        return name
+    _, i, rest = name.split(".", 2)
+    return f"layers.{int(i) + by}.{rest}"
+
+
+def shard_wants(name: str, config: ModelConfig, layers) -> bool:
+    """Whether a checkpoint tensor (Hugging Face name) belongs to the shard of layers [start, end)."""
+    start, end = layers
+    name = name.removeprefix("model.")
+    if name.startswith("layers."):
+        return start <= int(name.split(".")[1]) < end
+    if name.startswith("embed_tokens."):
+        return start == 0 or (config.tie_word_embeddings and end == config.num_layers)
+    return end == config.num_layers  # norm, lm_head
+
+
+def load_target(path, dtype=torch.float32, device="cpu", layers: tuple[int, int] | None = None) -> TargetModel:
+    """Load a Llama-family Hugging Face checkpoint folder (config.json + *.safetensors); with
+    `layers` (start, end), only that pipeline shard, reading only its tensors."""
     config = ModelConfig.from_hf(read_hf_config(path))
+    start, end = layers or (0, config.num_layers)
     with torch.device("meta"):
-        model = TargetModel(config)
-    state = fuse_hf_weights(load_safetensors_dir(path), config)
+        model = TargetModel(config, start, end)
+    keep = None if layers is None else lambda name: shard_wants(name, config, (start, end))
+    state = fuse_hf_weights(load_safetensors_dir(path, keep), config, (start, end))
     unexpected = model.load_state_dict(state, strict=False, assign=True).unexpected_keys
     if unexpected:
         raise ValueError(f"checkpoint {path!s} has weights this model does not use: {unexpected[:5]}")
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and model.embed_tokens is not None and model.lm_head is not None:
         model.lm_head.weight = model.embed_tokens.weight
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
