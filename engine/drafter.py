@@ -212,6 +212,27 @@ def check_drafter_fits(drafter_config: DrafterConfig, target_config: ModelConfig
         raise ValueError(f"drafter mask token {c.mask_token_id} is outside the target vocabulary")
 
 
+def draft_logits(hidden, lm_head, draft_head=None, draft_vocab=None):
+    """The target's LM head over drafted positions, float32 [..., vocab]. With a reduced draft head
+    (draft_head = lm_head.weight[draft_vocab]) only the draft vocabulary is scored, the rest is -inf.
+    The positions are flattened first: a non-contiguous [batch, b, hidden] slice would make the matmul
+    a bmm that copies the head once per row when autograd is off (34 ms per step at 4 rows here)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    if draft_head is None:
+        return lm_head(flat).float().view(*hidden.shape[:-1], -1)
+    scores = F.linear(flat, draft_head).float().view(*hidden.shape[:-1], -1)  # the rest can't be drafted
+    logits = scores.new_full((*scores.shape[:-1], lm_head.weight.shape[0]), -torch.inf)
+    return logits.index_copy_(-1, draft_vocab, scores)
+
+
+def reduced_head(lm_head, draft_vocab):
+    """(draft_head, draft_vocab) on the LM head's device, or (None, None) without a draft vocabulary."""
+    if draft_vocab is None:
+        return None, None
+    draft_vocab = draft_vocab.to(lm_head.weight.device)
+    return lm_head.weight[draft_vocab], draft_vocab
+
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 

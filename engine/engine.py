@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.drafter import draft_logits, reduced_head
 from engine.policy import BlockPolicy, FixedBlockPolicy
 from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
 from engine.stats import SpecStats
@@ -146,8 +147,7 @@ class Engine:
         self.decode = decode
         self.denoising_steps = denoising_steps
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
-        self.draft_vocab = vocab
-        self.draft_head = None if vocab is None else target.lm_head.weight[vocab.to(target.lm_head.weight.device)]
+        self.draft_head, self.draft_vocab = reduced_head(target.lm_head, vocab)
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -297,12 +297,7 @@ class Engine:
         return DraftBlock(block_ids, probs, block_sizes)
 
     def _draft_logits(self, hidden):
-        hidden = hidden.to(self.target.dtype)
-        if self.draft_head is None:
-            return self.target.lm_head(hidden).float()
-        scores = (hidden @ self.draft_head.T).float()  # only the draft vocabulary; the rest can't be drafted
-        logits = scores.new_full((*scores.shape[:-1], self.target.config.vocab_size), -torch.inf)
-        return logits.index_copy_(-1, self.draft_vocab, scores)
+        return draft_logits(hidden.to(self.target.dtype), self.target.lm_head, self.draft_head, self.draft_vocab)
 
     @property
     def target_features_dim(self):

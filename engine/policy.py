@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.drafter import draft_logits, reduced_head
 from engine.sampling import verify_greedy
 
 
@@ -117,12 +118,14 @@ class CostModel:
     @classmethod
     @torch.inference_mode()
     def profile(cls, target, drafter, batch_sizes=(1, 2, 4, 8, 16), block_sizes=(1, 2, 4, 8, 16),
-                context=256, repeats=2, short_context=32) -> "CostModel":
-        """Time real engine steps: median of `repeats` after one warm-up, per grid point.
+                context=256, repeats=3, short_context=32) -> "CostModel":
+        """Time real engine steps: the fastest of `repeats` after one warm-up, per grid point (on a
+        shared machine the fastest run is the step's own cost; a median of few runs was noise).
 
         Each step mirrors Engine.draft + Engine.verify on the greedy path: for b > 1 the drafter
         reads b context features (the most a step can leave pending) plus the block, then the
-        target's LM head and argmax/confidence over the b - 1 drafts; then the target verifies the
+        target's LM head (only the drafter's draft vocabulary when it has one, as the engine does
+        by default) and argmax/confidence over the b - 1 drafts; then the target verifies the
         b positions with the drafter's feature layers, and verify_greedy. Every row sits at
         positions context..context+b-1 of a scratch cache (keys/values are zeros: attention costs
         the same whatever they hold). Python bookkeeping outside the models is not timed.
@@ -130,7 +133,7 @@ class CostModel:
         per-position slope (clipped at >= 0). Tables are not smoothed: real ones are not always
         monotone (bf16 on CPU: block 2 is cheaper than block 1 at long contexts, SDPA's q=1 path
         is slow). Cost: 2 x (repeats + 1) steps per grid point; the default 5 x 5 grids on
-        SmolLM2-135M in bf16 take ~12 s on one busy CPU core (a smaller grid or repeats=1 for less).
+        SmolLM2-135M in bf16 take ~15 s on one CPU core (a smaller grid or repeats=1 for less).
         """
         if drafter is None:
             block_sizes = (1,)
@@ -149,7 +152,7 @@ class CostModel:
 
 
 def _time_step(target, drafter, caches, batch, block, context, repeats) -> float:
-    """Median seconds of one scratch step after a warm-up (the first call of a shape allocates)."""
+    """Fastest seconds of one scratch step over `repeats`, after a warm-up (the first call of a shape allocates)."""
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     step = _scratch_step(target, drafter, caches, batch, block, context)
     step()
@@ -160,7 +163,7 @@ def _time_step(target, drafter, caches, batch, block, context, repeats) -> float
         step()
         sync()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def describe(target, drafter) -> dict:
@@ -168,7 +171,8 @@ def describe(target, drafter) -> dict:
     tc = target.config
     return {
         "target": f"{getattr(tc, 'model_type', '')} L{tc.num_layers} H{tc.hidden_size} V{tc.vocab_size}",
-        "drafter": None if drafter is None else f"L{drafter.config.num_layers} {drafter.dtype}",
+        "drafter": None if drafter is None else f"L{drafter.config.num_layers} {drafter.dtype}" + (
+            "" if getattr(drafter, "draft_vocab", None) is None else f" draft vocab {len(drafter.draft_vocab)}"),
         "dtype": str(target.dtype), "device": str(target.device),
     }
 
@@ -188,11 +192,12 @@ def _scratch_step(target, drafter, caches, batch, block, context):
         ctx = torch.zeros(batch, block, features, dtype=drafter.dtype, device=device)  # [batch, c = block, features]
         draft_pos = (context - block + torch.arange(2 * block, device=device)).expand(batch, 2 * block)
         block_end = torch.full((batch,), context + block, device=device)
+        draft_head, draft_vocab = reduced_head(target.lm_head, getattr(drafter, "draft_vocab", None))
 
     def step():
         if block > 1:  # Engine.draft, one denoising pass
             hidden = drafter(ctx, target.embed_tokens(block_ids), draft_pos, dcache, slots, context + block, block_end)
-            logits = target.lm_head(hidden[:, 1:].to(target.dtype)).float()  # [batch, block - 1, vocab]
+            logits = draft_logits(hidden[:, 1:].to(target.dtype), target.lm_head, draft_head, draft_vocab)
             logits.argmax(dim=-1), logits.softmax(dim=-1).amax(dim=-1)
         logits, _ = target(block_ids, positions, tcache, slots, context + block, feature_layers)  # Engine.verify
         verify_greedy(block_ids[:, 1:], logits, num_draft)
