@@ -289,7 +289,9 @@ def plot(report: dict, path: Path):
         ax.set_ylabel("mean acceptance length" if j == 0 else "", fontsize=8)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"dflash-serve load test: {report['server']}", fontsize=9)
+    c = report["config"]
+    fig.suptitle(f"dflash-serve load test: {c['shape']} users, {c['run_time']:g} s per run, max_tokens "
+                 f"{c['max_tokens']}, T={c['temperature']:g}; {report['machine']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -331,7 +333,8 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
             urls = {v: by_app[f"loadtest-{app_of(v)}"] for v in variants}
             server = (f"loopback Ray cluster, apps {', '.join(needed)} (colocated, "
                       f"{cfg.num_cpus:g} CPU and {max(1, round(cfg.num_cpus))} torch thread per replica)")
-        info = bench_serve.server_info(next(iter(urls.values())))
+        info = {v: bench_serve.server_info(urls[v]) for v in dict.fromkeys(variants)}
+        info = next((i for v, i in info.items() if v != "ar"), info[variants[0]])  # the drafter's app when any
         results: dict[str, dict[int, dict]] = {}
         cells = [(s, u, v) for s in cfg.scenarios for u in cfg.users for v in variants]
         for s, u, v in tqdm(cells, desc="loadtest", unit="run"):
