@@ -113,7 +113,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     srv = subs.add_parser("serve", help="start the OpenAI-compatible server on a local loopback Ray cluster")
     srv.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1")
-    srv.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
+    srv.add_argument("--policy", default="adaptive", choices=POLICIES,
+                     help="block-size policy (adaptive: profiles a cost model at the first start, cached on disk)")
     srv.add_argument("--max-slots", type=int, default=8, help="requests decoded together per replica")
     srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (1 CPU each)")
     srv.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
