@@ -367,15 +367,21 @@ def cmd_bench(args):
     bench.run(bench.BenchConfig(**{k: v for k, v in vars(args).items() if k in fields}))
 
 
+def run_checked(command: str, module, config_class, args):
+    """The subcommands whose flags fill a config dataclass: build it, check it (an argparse error naming
+    the flag), run it. `module` has check_config(cfg) and run(cfg)."""
+    fields = config_class.__dataclass_fields__
+    cfg = config_class(**{k: v for k, v in vars(args).items() if k in fields})
+    problem = module.check_config(cfg)
+    if problem:
+        build_parser()[1][command].error(problem)
+    module.run(cfg)
+
+
 def cmd_bench_serve(args):
     from deployments import bench_serve  # imports Ray when it runs: engine/ never imports it up front
 
-    fields = bench_serve.ServeBenchConfig.__dataclass_fields__
-    cfg = bench_serve.ServeBenchConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    problem = bench_serve.check_config(cfg)
-    if problem:
-        build_parser()[1]["bench-serve"].error(problem)
-    bench_serve.run(cfg)
+    run_checked("bench-serve", bench_serve, bench_serve.ServeBenchConfig, args)
 
 
 def cmd_serve(args):
@@ -436,23 +442,13 @@ def cmd_dashboards(args):
 def cmd_loadtest(args):
     from loadtest import run  # imports Ray only to deploy: engine/ never imports it up front
 
-    fields = run.LoadTestConfig.__dataclass_fields__
-    cfg = run.LoadTestConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    problem = run.check_config(cfg)
-    if problem:
-        build_parser()[1]["loadtest"].error(problem)
-    run.run(cfg)
+    run_checked("loadtest", run, run.LoadTestConfig, args)
 
 
 def cmd_soak(args):
     from loadtest import soak
 
-    fields = soak.SoakConfig.__dataclass_fields__
-    cfg = soak.SoakConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    problem = soak.check_config(cfg)
-    if problem:
-        build_parser()[1]["soak"].error(problem)
-    soak.run(cfg)
+    run_checked("soak", soak, soak.SoakConfig, args)
 
 
 COMMANDS = {
