@@ -44,7 +44,8 @@ class LoadTestConfig:
     scenarios: list[str] = field(default_factory=lambda: list(USERS))
     users: list[int] = field(default_factory=lambda: [1, 4, 16])
     variants: list[str] = field(default_factory=lambda: ["ar", "b2", "b4", "b8", "adaptive"])
-    run_time: float = 30.0  # seconds of load per cell (scenario x users x variant)
+    run_time: float = 30.0  # seconds of load per run (scenario x users x variant x repeat)
+    repeats: int = 1  # runs per cell, interleaved with the other variants; the report keeps the median
     max_requests: int = 500  # per cell
     max_tokens: int = 64
     temperature: float = 0.0
@@ -77,6 +78,8 @@ def check_config(cfg: LoadTestConfig) -> str | None:
         return f"--variants: unknown or none: {', '.join(bad) or '(empty)'}; use ar, adaptive or b<N> (N >= 1)"
     if cfg.run_time <= 0:
         return f"--run-time must be > 0 seconds, got {cfg.run_time}"
+    if cfg.repeats < 1:
+        return f"--repeats must be >= 1, got {cfg.repeats}"
     if cfg.max_requests < 1:
         return f"--max-requests must be >= 1, got {cfg.max_requests}"
     if cfg.max_tokens < 1:
@@ -143,9 +146,9 @@ def locust_command(cfg: LoadTestConfig, scenarios: list[str], users: int, url: s
 
 
 def run_cell(cfg: LoadTestConfig, scenario: str, users: int, variant: str, url: str, folder: Path,
-             scenario_file: Path) -> dict:
+             scenario_file: Path, repeat: int | None = None) -> dict:
     """One Locust run; its figures (latency percentiles in ms, throughput, acceptance)."""
-    prefix = folder / f"{scenario}-u{users}-{variant}"
+    prefix = folder / (f"{scenario}-u{users}-{variant}" + ("" if repeat is None else f"-r{repeat}"))
     command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file)
     log = Path(f"{prefix}.log")
     with open(log, "w") as f:
@@ -167,6 +170,17 @@ def run_cell(cfg: LoadTestConfig, scenario: str, users: int, variant: str, url: 
         "block_sizes": totals["block_sizes"], "valid_json": totals.get("valid_json"),
         "json_expected": totals.get("json_expected"), "latency_ms": totals.get("locust_stats", {}),
     }
+
+
+def median_run(repeats: list[dict]) -> dict:
+    """Of a cell's repeated runs, the one with the median output tokens/s (its latencies with it),
+    plus every run's tokens/s and the cell's totals of requests and failures."""
+    ranked = sorted(repeats, key=lambda c: c["output_tokens_per_s"] or 0)
+    cell = dict(ranked[(len(ranked) - 1) // 2])
+    if len(repeats) > 1:
+        cell.update(tokens_per_s_runs=[c["output_tokens_per_s"] for c in repeats],
+                    requests=sum(c["requests"] for c in repeats), failures=sum(c["failures"] for c in repeats))
+    return cell
 
 
 # ---- the report -------------------------------------------------------------------------------------
@@ -211,7 +225,8 @@ def fmt(x, spec=".2f"):
 def markdown(report: dict) -> str:
     c = report["config"]
     lines = [f"# Load test: {', '.join(c['scenarios'])} at {', '.join(map(str, c['users']))} users", "",
-             f"Server: {report['server']}. Load: {c['shape']} users, {c['run_time']:g} s per run (at most "
+             f"Server: {report['server']}. Load: {c['shape']} users, {c.get('repeats', 1)} run(s) per cell "
+             f"(the median by tok/s shown; requests and failures summed), {c['run_time']:g} s per run (at most "
              f"{c['max_requests']} requests), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
              f"Locust {report['locust_version']}; machine: {report['machine']}.", "",
              "tok/s: output tokens / wall time of the run; TTFT, TPOT, ITL: p50 / p90 in ms (Locust's "
@@ -336,10 +351,13 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
         info = {v: bench_serve.server_info(urls[v]) for v in dict.fromkeys(variants)}
         info = next((i for v, i in info.items() if v != "ar"), info[variants[0]])  # the drafter's app when any
         results: dict[str, dict[int, dict]] = {}
-        cells = [(s, u, v) for s in cfg.scenarios for u in cfg.users for v in variants]
-        for s, u, v in tqdm(cells, desc="loadtest", unit="run"):
-            results.setdefault(s, {}).setdefault(u, {})[v] = run_cell(cfg, s, u, v, urls[v], out / "runs",
-                                                                      scenario_file)
+        cells = [(s, u, r, v) for s in cfg.scenarios for u in cfg.users for r in range(cfg.repeats) for v in variants]
+        runs: dict[tuple, list[dict]] = {}
+        for s, u, r, v in tqdm(cells, desc="loadtest", unit="run"):
+            repeat = r if cfg.repeats > 1 else None
+            runs.setdefault((s, u, v), []).append(run_cell(cfg, s, u, v, urls[v], out / "runs", scenario_file, repeat))
+        for (s, u, v), repeats in runs.items():
+            results.setdefault(s, {}).setdefault(u, {})[v] = median_run(repeats)
     finally:
         if not cfg.url and cluster_url is not None:
             from ray import serve

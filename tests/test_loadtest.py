@@ -53,6 +53,16 @@ def test_traffic_is_real_and_held_out(tmp_path):
         scenarios.calculate("__import__('os')")
 
 
+def test_median_run_of_repeats():
+    from loadtest.run import median_run
+
+    runs = [{"output_tokens_per_s": t, "requests": 3, "failures": f, "tag": t} for t, f in ((30, 0), (10, 1), (20, 0))]
+    cell = median_run(runs)
+    assert cell["tag"] == 20 and cell["tokens_per_s_runs"] == [30, 10, 20]
+    assert cell["requests"] == 9 and cell["failures"] == 1
+    assert median_run(runs[:1]) == runs[0]
+
+
 def test_json_replies_are_found_in_prose():
     from loadtest.replies import parse_json_object
 
@@ -110,6 +120,7 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
     (["--variants", "fast"], "--variants: unknown or none: fast"),
     (["--run-time", "0"], "--run-time must be > 0"),
     (["--max-requests", "0"], "--max-requests must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
     (["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
     (["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
     (["--out", "/nonexistent/folder/report"], "--out /nonexistent/folder/report: the folder"),
