@@ -4,6 +4,8 @@
 Replica state (KV slots and mirror Requests) is a cache of the router's truth: a replica that lacks
 a request's state answers {"missing": True}, and the router rebuilds it by re-prefilling from the
 committed tokens (and the saved states of the seeded random streams), so the output is unchanged.
+A replica (or a target shard under it) that dies under a call is lost state too: the router retries
+with growing pauses until Serve routes to a healthy replica, for at most REPLICA_RECOVERY_S.
 Both replicas run the colocated topology's engine code: Engine.draft, Engine.verify (with
 Engine._accept) and Engine._commit on mirror Requests. Sticky routing is Serve model multiplexing
 keyed by request id; its LRU eviction also frees abandoned state. Nothing here knows HTTP or text.
@@ -13,26 +15,32 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import os
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import replace
 
 import torch
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params, start_engine
 from deployments.metrics import active_requests_gauge
-from deployments.shards import check_shards, start_shards
+from deployments.shards import ShardedTarget, check_shards, start_shards
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
 
 logger = logging.getLogger("ray.serve")
 
 BATCH_WAIT_S = 0.002  # how long a replica waits for other requests' steps to join a batch
 NUM_FREED_REMEMBERED = 4096  # freed request ids a replica remembers, so a late prefill cannot revive one
-MAX_REBUILDS_PER_STEP = 3
+MAX_REBUILDS_PER_STEP = 3  # rebuilds of state that live replicas lost, per step
+REPLICA_RECOVERY_S = 60  # how long a request waits for a healthy replica after one died under a call
+RETRY_BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between calls while replicas keep failing
+# Serve checks each replica this often: a dead one is replaced after one check, one with a lost shard after three
+HEALTH_CHECK_PERIOD_S = 2
 
 
 # ---- what both replicas share ---------------------------------------------------------------
@@ -64,7 +72,7 @@ class _MirrorReplica:
         self._held: dict[str, _Held] = {}
         self._evicted: list[_Held] = []
         self._freed: OrderedDict[str, None] = OrderedDict()
-        self._drop_countdown: int | None = None
+        self._fault: tuple[str, int] | None = None  # a test hook's (kind, calls until it strikes)
         self.counters = {"num_evicted": 0, "num_missing": 0}
 
         async def hold(request_id: str) -> _Held:
@@ -110,10 +118,12 @@ class _MirrorReplica:
 
     def _live(self, held: _Held) -> Request | None:
         """On the engine thread: the mirror, or None when it is gone (evicted, freed, never made)."""
-        if self._drop_countdown is not None:
-            self._drop_countdown -= 1
-            if self._drop_countdown <= 0:
-                self._drop_countdown = None
+        if self._fault is not None:
+            kind, num_calls = self._fault
+            self._fault = (kind, num_calls - 1) if num_calls > 1 else None
+            if num_calls <= 1:
+                if kind == "crash":
+                    os._exit(1)
                 for other in list(self._held.values()):
                     self._release(other)
         if held.request is None:
@@ -156,10 +166,12 @@ class _MirrorReplica:
     async def drop_state_after(self, num_calls: int):
         """Test hook: lose every request's state here at the `num_calls`-th draft/verify call from now,
         as a restarted replica would (the router must re-prefill)."""
-        def arm():
-            self._drop_countdown = num_calls
+        await self._on_engine(setattr, self, "_fault", ("drop", num_calls))
 
-        await self._on_engine(arm)
+    async def crash_after(self, num_calls: int):
+        """Test hook: this replica's process exits in the middle of its `num_calls`-th draft/verify call
+        from now, as a crashing replica would (the call fails under the router; Serve starts a new replica)."""
+        await self._on_engine(setattr, self, "_fault", ("crash", num_calls))
 
 
 def _rng_state(r: Request, name: str) -> torch.Tensor | None:
@@ -197,7 +209,7 @@ def build_verifier(config: AppConfig) -> tuple[Engine, dict]:
     return engine, info
 
 
-@serve.deployment
+@serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S)
 class VerifierReplica(_MirrorReplica):
     """The target with a KV slot per request: prefill, and verify + accept a drafted block."""
 
@@ -238,6 +250,11 @@ class VerifierReplica(_MirrorReplica):
         self._record_load()
         return {"params": params, "token_ids": [] if rebuild else first, "features": features.clone(),
                 "verify_rng": _rng_state(r, "verify_generator")}
+
+    async def shard_actors(self) -> list:
+        """This replica's TargetShard actors (none when the target runs in this process), for fault tests."""
+        target = self.engine.target
+        return list(target.shards) if isinstance(target, ShardedTarget) else []
 
     async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None) -> dict:
         """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests):
@@ -300,7 +317,7 @@ def build_drafter(config: AppConfig) -> tuple[Engine, dict]:
     return engine, info
 
 
-@serve.deployment
+@serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S)
 class DrafterReplica(_MirrorReplica):
     """The drafter with a drafter-KV slot per request: drafts a block from the new context features."""
 
@@ -358,11 +375,49 @@ class DrafterReplica(_MirrorReplica):
 # ---- router -------------------------------------------------------------------------------
 
 
+def _replica_died(e: Exception) -> bool:
+    """A call failed because its replica died or is unreachable (Serve raises Ray's ActorDiedError or
+    ActorUnavailableError) or because a target shard under the replica died (the replica's error, caused by one)."""
+    return isinstance(e, RayActorError) or isinstance(getattr(e, "cause", None), RayActorError)
+
+
+async def _result(response):
+    return await response
+
+
+class _Recovery:
+    """One step's way back to replica state: at most MAX_REBUILDS_PER_STEP rebuilds when live replicas
+    lost it, and, once a replica died under a call, retries with growing pauses until `deadline`
+    (REPLICA_RECOVERY_S later), by when Serve must route to a healthy (restarted or other) replica."""
+
+    def __init__(self):
+        self.num_rebuilds, self.num_failures, self.deadline, self.first_failure = 0, 0, None, None
+
+    async def before_retry(self, lost: dict):
+        """Before the next try after `lost` ({missing, role} and, when a replica died, died: why); raises
+        when out of tries or time."""
+        if "died" not in lost:
+            self.num_rebuilds += 1
+            if self.num_rebuilds > MAX_REBUILDS_PER_STEP:
+                raise RuntimeError(f"the {lost['role']} kept losing this request's state")
+            return
+        if self.deadline is None:
+            self.deadline, self.first_failure = time.monotonic() + REPLICA_RECOVERY_S, lost
+        if time.monotonic() >= self.deadline:
+            first = self.first_failure
+            raise EngineRequestError(f"a {first['role']} replica failed under this request ({first['died']}) and no "
+                                     f"healthy one answered within {REPLICA_RECOVERY_S} s; retry later", 503)
+        first, longest = RETRY_BACKOFF_S
+        await asyncio.sleep(min(first * 2 ** self.num_failures, longest))
+        self.num_failures += 1
+
+
 @serve.deployment
 class Router:
     """Owns each request's prompt, committed tokens and random-stream states (the durable truth) and
     runs its loop: verifier.prefill -> {drafter.draft -> verifier.verify -> commit -> stream}. Streams
-    the same chunks as EngineReplica.generate, so the OpenAI ingress serves either topology."""
+    the same chunks as EngineReplica.generate, so the OpenAI ingress serves either topology. State a
+    replica lost, or a replica that died under a call, is rebuilt by re-prefilling from that truth."""
 
     def __init__(self, drafter: DeploymentHandle, verifier: DeploymentHandle, config: dict):
         self.drafter, self.verifier = drafter, verifier
@@ -374,7 +429,8 @@ class Router:
         self._info: dict | None = None
         self._frees: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("num_requests", "num_finished", "num_cancelled", "num_failed",
-                                       "num_rebuilds", "num_generated_tokens"), 0)
+                                       "num_rebuilds", "num_replica_failures", "num_generated_tokens"), 0)
+        self._failure_causes: Counter[str] = Counter()  # exception type name -> failed replica calls
         self._num_active = 0
         self._active_gauge = active_requests_gauge(self.config.model_name, self.config.topology)
 
@@ -391,15 +447,10 @@ class Router:
             self._set_active(+1)
             try:
                 try:
-                    out = await verifier.prefill.remote(request_id, list(prompt_ids), [], params, None)
-                except Exception as e:  # a request the verifier rejects: the client's error, by its status
-                    cause = getattr(e, "cause", e)
-                    if not isinstance(cause, EngineRequestError):
-                        raise
+                    out = await self._first_prefill(verifier, request_id, list(prompt_ids), params)
+                except EngineRequestError:  # a request the verifier rejects: the client's error, by its status
                     done = True
-                    raise EngineRequestError(cause.message, cause.status_code) from None
-                if out.get("missing"):
-                    raise RuntimeError("the verifier had already freed this request")
+                    raise
                 r = Request(0, list(prompt_ids), out["params"])
                 stop_ids = info["stop_token_ids"]
                 r.append_output(out["token_ids"], stop_ids, speculative=False)
@@ -408,26 +459,22 @@ class Router:
                 start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": None}
                 yield self._chunk(r, out["token_ids"])
                 while not r.finished:
-                    drafted = await drafter.draft.remote(request_id, new_ids, features, start)
-                    for _ in range(MAX_REBUILDS_PER_STEP):
-                        if not drafted.get("missing"):
-                            break
-                        # the drafter lost the state: re-prefill the verifier to get every position's features
-                        rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng)
-                        start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": draft_rng}
-                        drafted = await drafter.draft.remote(request_id, r.output_ids, rebuilt["features"], start)
-                    if drafted.get("missing"):
-                        raise RuntimeError("the drafter kept losing this request's state")
+                    drafted = await self._call("drafter", drafter.draft, request_id, new_ids, features, start)
+                    recovery = _Recovery()
+                    while drafted.get("missing"):
+                        await recovery.before_retry(drafted)
+                        drafted = await self._redraft(verifier, drafter, request_id, r, verify_rng, draft_rng,
+                                                      recovery.deadline)
                     start, draft_rng = None, drafted["draft_rng"]
-                    block_ids = drafted["block_ids"]
-                    verified = await verifier.verify.remote(request_id, block_ids, drafted["draft_probs"])
-                    for _ in range(MAX_REBUILDS_PER_STEP):
+                    block_ids, draft_probs = drafted["block_ids"], drafted["draft_probs"]
+                    verified = await self._call("verifier", verifier.verify, request_id, block_ids, draft_probs)
+                    recovery = _Recovery()
+                    while verified.get("missing"):
+                        await recovery.before_retry(verified)
+                        verified = await self._rebuild_verifier(verifier, request_id, r, verify_rng, recovery.deadline)
                         if not verified.get("missing"):
-                            break
-                        await self._rebuild_verifier(verifier, request_id, r, verify_rng)
-                        verified = await verifier.verify.remote(request_id, block_ids, drafted["draft_probs"])
-                    if verified.get("missing"):
-                        raise RuntimeError("the verifier kept losing this request's state")
+                            verified = await self._call("verifier", verifier.verify, request_id, block_ids,
+                                                        draft_probs, deadline=recovery.deadline)
                     verify_rng = verified["verify_rng"]
                     r.stats.observe_draft(len(block_ids) - 1, verified["num_accepted"])
                     new_ids, features = verified["token_ids"], verified["features"]
@@ -464,12 +511,65 @@ class Router:
         self._num_active += change
         self._active_gauge.set(self._num_active)
 
-    async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng) -> dict:
-        self.counters["num_rebuilds"] += 1
-        out = await verifier.prefill.remote(request_id, r.prompt_ids, r.output_ids, r.params, verify_rng)
+    async def _call(self, role: str, method, *args, deadline: float | None = None) -> dict:
+        """One call to a drafter or verifier replica. A replica (or target shard) that died under it, or no
+        answer by `deadline` (time.monotonic()), is lost state: {missing: True, role, died: why}; so is a
+        replica's {missing: True} ({missing: True, role})."""
+        response = method.remote(*args)
+        try:
+            if deadline is None:
+                out = await response
+            else:
+                out = await asyncio.wait_for(_result(response), max(deadline - time.monotonic(), 0.0))
+            return {**out, "role": role} if out.get("missing") else out
+        except TimeoutError:
+            response.cancel()
+            why = "no answer in time"
+        except Exception as e:
+            cause = getattr(e, "cause", e)
+            if isinstance(cause, EngineRequestError):  # Serve wraps the replica's error: re-raise it as is
+                raise EngineRequestError(cause.message, cause.status_code) from None
+            if not _replica_died(e):
+                raise
+            why = type(e).__name__  # e.g. ActorDiedError; RayTaskError(ActorDiedError) for a lost shard
+        self.counters["num_replica_failures"] += 1
+        self._failure_causes[why] += 1
+        logger.warning("a %s call failed (%s): recovering from the committed tokens", role, why)
+        return {"missing": True, "role": role, "died": why}
+
+    async def _first_prefill(self, verifier, request_id: str, prompt_ids: list[int], params: dict) -> dict:
+        """The verifier's first prefill (validates the request, samples the first token); retried when
+        the verifier replica dies under it."""
+        recovery = _Recovery()
+        out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None)
+        while "died" in out:
+            await recovery.before_retry(out)
+            out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None,
+                                   deadline=recovery.deadline)
         if out.get("missing"):
+            raise RuntimeError("the verifier had already freed this request")
+        return out
+
+    async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng,
+                                deadline: float | None) -> dict:
+        """Re-prefill the verifier from the committed tokens: {features of every position, ...}, or lost."""
+        self.counters["num_rebuilds"] += 1
+        out = await self._call("verifier", verifier.prefill, request_id, r.prompt_ids, r.output_ids, r.params,
+                               verify_rng, deadline=deadline)
+        if out.get("missing") and "died" not in out:
             raise RuntimeError("the verifier refused to rebuild this request's state")
         return out
+
+    async def _redraft(self, verifier, drafter, request_id: str, r: Request, verify_rng, draft_rng,
+                       deadline: float | None) -> dict:
+        """The drafter lost the state: re-prefill the verifier to get every position's features, recreate
+        the drafter's state from them and draft. The draft, or what was lost."""
+        rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng, deadline)
+        if rebuilt.get("missing"):
+            return rebuilt
+        start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": draft_rng}
+        return await self._call("drafter", drafter.draft, request_id, r.output_ids, rebuilt["features"], start,
+                                deadline=deadline)
 
     def _chunk(self, r: Request, new_ids: list[int]) -> dict:
         self.counters["num_generated_tokens"] += len(new_ids)
@@ -502,7 +602,8 @@ class Router:
         return {"status": "ok", **await self.slots()}
 
     async def stats(self) -> dict:
-        return {**self.counters, **await self.slots()}
+        """The counters, replica failures by exception type, and slots()."""
+        return {**self.counters, "replica_failure_causes": dict(self._failure_causes), **await self.slots()}
 
     async def wait_for_frees(self):
         """Until every queued free has reached both replicas (tests)."""

@@ -97,8 +97,8 @@ class ShardedTarget:
             raise ValueError(f"num_shards {num_shards} needs a Llama-family target: {e}") from None
         ranges = layer_ranges(self.config.num_layers, num_shards)
         self.dtype, self.device = dtype, torch.device(device)
-        if head is not None:
-            self.embed_tokens, self.lm_head = head.embed_tokens, head.lm_head
+        # None without a head: the engine of a verifier (which does not draft) reads them but never calls them
+        self.embed_tokens, self.lm_head = (head.embed_tokens, head.lm_head) if head is not None else (None, None)
         self._own_group = placement_group is None
         if self._own_group:
             placement_group, first_bundle = self._make_group(num_shards, num_cpus, num_gpus, strategy), 0
