@@ -39,7 +39,7 @@ NUM_FREED_REMEMBERED = 4096  # freed request ids a replica remembers, so a late 
 MAX_REBUILDS_PER_STEP = 3  # rebuilds of state that live replicas lost, per step
 REPLICA_RECOVERY_S = 60  # how long a request waits for a healthy replica after one died under a call
 RETRY_BACKOFF_S = (0.1, 2.0)  # the first and the longest pause between calls while replicas keep failing
-# Serve checks each replica this often: a dead one is replaced after one check, one with a lost shard after three
+# Serve checks each replica this often and replaces one that died or fails the check (a verifier that lost a shard)
 HEALTH_CHECK_PERIOD_S = 2
 
 

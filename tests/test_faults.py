@@ -119,9 +119,9 @@ class TestReplicaDies:
 @pytest.mark.parametrize("app", [SHARDED_CONFIG], indirect=True, ids=["sharded"])
 class TestShardDies:
     def test_shard_killed_mid_stream_same_text(self, app):
-        """A killed TargetShard fails the verifier replica's next forward (the router sees a RayTaskError
-        caused by ActorDiedError) and, three 2 s health checks later, the replica: Serve replaces it with
-        its placement group and shards, and the router's retries reach the new one and re-prefill it."""
+        """A killed TargetShard fails the verifier replica's next forwards (the router sees
+        RayTaskError(ActorDiedError) and retries) and its next health check (every 2 s): Serve replaces it,
+        placement group and shards included, and the router's retries reach the new one and re-prefill it."""
         client, handles = app
         want = streamed_text(client)
         for _ in range(NUM_RUNS):
