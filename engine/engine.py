@@ -147,7 +147,8 @@ class Engine:
         self.decode = decode
         self.denoising_steps = denoising_steps
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
-        self.draft_head, self.draft_vocab = reduced_head(target.lm_head, vocab)
+        # only an engine that drafts reads the LM head here (a sharded target has none in this process)
+        self.draft_head, self.draft_vocab = (None, None) if vocab is None else reduced_head(target.lm_head, vocab)
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
