@@ -107,11 +107,15 @@ class Rotary(nn.Module):
 
 def attention(q, keys, values, mask):
     """Grouped-query attention. q [batch, heads, q, dim]; keys/values [batch, kv_heads, kv_len, dim];
-    mask [batch, 1, q, kv_len] bool.
+    mask [batch, 1, q, kv_len] bool, or None: causal with q == kv_len (query i sees keys 0..i).
 
+    A causal prefill skips the masked half of the work (the fused kernel knows which tiles to skip,
+    not so with a mask): 1.5x faster prefill of 700 tokens on a CPU (bf16, torch 2.13).
     One-query steps in bf16 on a CPU use plain matmuls: torch's fused CPU kernel is 5-12x slower
     there (385 vs 66 us at 500 keys; 1.7 ms vs 0.14 ms for 8 rows; measured with torch 2.13).
     """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
     if q.shape[2] > 1 or q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
     batch, heads, _, dim = q.shape
@@ -260,7 +264,7 @@ class TargetModel(CachedModel):
         cos, sin = self.rotary(rope_pos, x.dtype)
         slots = cache.batch_index(slots)
         key_pos = torch.arange(kv_len, device=x.device)
-        mask = (key_pos <= rope_pos[..., None])[:, None]  # [batch, 1, q, kv_len]
+        mask = None if is_prefix_prefill(positions, kv_len) else (key_pos <= rope_pos[..., None])[:, None]
         features = {}
         for i, layer in enumerate(self.layers):  # cache layer i holds model layer layer_start + i
             x = layer(x, cos, sin, cache, i, slots, write_pos, kv_len, mask)
@@ -271,6 +275,18 @@ class TargetModel(CachedModel):
         if logits_index is not None:
             x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.norm(x)).float(), features
+
+
+def is_prefix_prefill(positions, kv_len) -> bool:
+    """Whether every row holds positions 0, 1, ... from the start of its cache, then only padding
+    (-1), and the batch spans the whole kv_len: then attention is plain causal attention (each row's
+    real queries see only its own new keys; padding queries see stale keys and are never read)."""
+    q_len = positions.shape[1]
+    if q_len != kv_len or q_len < 2:
+        return False
+    real = positions >= 0
+    in_place = (positions == torch.arange(q_len, device=positions.device)) | ~real
+    return bool(in_place.all() and (real[:, 1:] <= real[:, :-1]).all())
 
 
 def ordered_features(features: dict, feature_layers) -> torch.Tensor | None:

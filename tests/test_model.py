@@ -18,7 +18,7 @@ from transformers import (
 )
 
 from engine.kv_cache import KVCache
-from engine.model import load_target
+from engine.model import is_prefix_prefill, load_target
 
 COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -133,6 +133,29 @@ def test_padded_batch_in_noncontiguous_slots(pair):
         assert_logits_match(logits[i, : len(row)], hf_logits(hf, row), model.dtype)
     untouched = [s for s in range(6) if s not in chosen]
     assert cache.k[:, untouched, :, :-1].abs().sum() == 0  # padding only hits the trash column
+
+
+def test_causal_prefill_ignores_stale_keys_of_reused_slots(pair):
+    """A prefill from position 0 takes the causal path (no mask): padding queries read whatever the
+    reused slots hold past each prompt, and real queries must never see it."""
+    hf, model = pair
+    cache = model.new_cache(3, 64)
+    slots = [cache.allocate() for _ in range(3)]
+    for t in (cache.k, cache.v):
+        t.normal_(generator=torch.Generator().manual_seed(5))  # stale keys/values everywhere
+    rows = [tokens(n, 30 + n) for n in (9, 2, 6)]
+    logits, _ = step(model, cache, slots, rows, [0, 0, 0])
+    for i, row in enumerate(rows):
+        assert_logits_match(logits[i, : len(row)], hf_logits(hf, row), model.dtype)
+
+
+def test_prefix_prefill_detection():
+    pos = lambda *rows: torch.tensor(rows)
+    assert is_prefix_prefill(pos([0, 1, 2], [0, 1, -1]), 3)
+    assert not is_prefix_prefill(pos([0, 1, 2], [0, 1, -1]), 4)  # keys beyond the batch: a cached prefix
+    assert not is_prefix_prefill(pos([0, 1, 2], [-1, 0, 1]), 3)  # left padding
+    assert not is_prefix_prefill(pos([0, 1, 2], [0, -1, 2]), 3)  # a hole
+    assert not is_prefix_prefill(pos([1, 2, 3]), 4) and not is_prefix_prefill(pos([0]), 1)
 
 
 def test_incremental_decode_matches_full_sequence(pair):
