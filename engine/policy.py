@@ -57,41 +57,51 @@ def _bracket(grid, x):
     return i, i + 1, max(0.0, (x - grid[i]) / (grid[i + 1] - grid[i]))
 
 
+PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) to RAG (~700-1000) prompts
+
+
 @dataclass
 class CostModel:
-    """Seconds per engine step (drafter pass + target verify) on a (batch size, block size) grid.
+    """Seconds per engine step (drafter pass + target verify) on a (batch size, block size) grid,
+    measured at one or more context lengths.
 
     Between and past grid points the cost is piecewise linear in batch and in block (bilinear in a
-    cell, extended linearly along the last segment past the largest sizes). With a
-    `seconds_per_position` table the cost is also linear in the batch's context length (attention
-    reads every cached position); without one it is the cost at `context` whatever the context.
+    cell, extended linearly along the last segment past the largest sizes), and piecewise linear in
+    the context (cached positions per row) between the measured contexts: flat below the first,
+    the last segment extended past the last (never below the last table: attention reads every
+    cached position). One table: the same cost whatever the context.
     """
 
     batch_sizes: list[int]  # ascending
     block_sizes: list[int]  # ascending; block 1 = an autoregressive step (no drafter call)
-    seconds: list[list[float]]  # [len(batch_sizes)][len(block_sizes)] seconds per step at `context`
-    meta: dict = field(default_factory=dict)  # what was profiled: models, dtype, device, contexts
-    context: int = 256  # cached positions per row when `seconds` was measured
-    seconds_per_position: list[list[float]] | None = None  # same grid: d seconds / d context
+    seconds: list  # [len(contexts)][len(batch_sizes)][len(block_sizes)]; one [batch][block] table is accepted
+    meta: dict = field(default_factory=dict)  # what was profiled: models, dtype, device
+    contexts: list[int] = field(default_factory=lambda: [256])  # ascending; cached positions per row of each table
 
     def __post_init__(self):
         self.batch_sizes, self.block_sizes = [int(b) for b in self.batch_sizes], [int(b) for b in self.block_sizes]
-        if self.batch_sizes != sorted(set(self.batch_sizes)) or self.block_sizes != sorted(set(self.block_sizes)):
-            raise ValueError("batch_sizes and block_sizes must be strictly ascending")
-        for name in ("seconds", "seconds_per_position"):
-            table = getattr(self, name)
-            if table is None:
-                continue
-            if len(table) != len(self.batch_sizes) or any(len(r) != len(self.block_sizes) for r in table):
-                raise ValueError(f"{name} must be a {len(self.batch_sizes)} x {len(self.block_sizes)} table")
-            setattr(self, name, [[float(t) for t in row] for row in table])
+        self.contexts = [int(c) for c in self.contexts]
+        for name in ("batch_sizes", "block_sizes", "contexts"):
+            values = getattr(self, name)
+            if not values or values != sorted(set(values)):
+                raise ValueError(f"{name} must be strictly ascending and not empty")
+        if self.seconds and self.seconds[0] and not isinstance(self.seconds[0][0], (list, tuple)):
+            self.seconds = [self.seconds]  # one table
+        shape = (len(self.contexts), len(self.batch_sizes), len(self.block_sizes))
+        if len(self.seconds) != shape[0] or any(len(t) != shape[1] or any(len(r) != shape[2] for r in t)
+                                                for t in self.seconds):
+            raise ValueError(f"seconds must be a {' x '.join(map(str, shape))} table (contexts x batch x block)")
+        self.seconds = [[[float(x) for x in row] for row in table] for table in self.seconds]
 
     def cost(self, batch: int, block: int, context: int | None = None) -> float:
         """Seconds for one step of `batch` requests padded to `block` positions, after `context`
-        cached positions (the longest row's; None: the profiled context)."""
-        seconds = self._lookup(self.seconds, batch, block)
-        if context is not None and self.seconds_per_position is not None:
-            seconds += (context - self.context) * self._lookup(self.seconds_per_position, batch, block)
+        cached positions (the longest row's; None: the first measured context)."""
+        lookup = lambda k: self._lookup(self.seconds[k], batch, block)
+        if context is None or len(self.contexts) == 1:
+            return max(lookup(0), 1e-9)
+        i, j, w = _bracket(self.contexts, context)
+        low, high = lookup(i), lookup(j)
+        seconds = low + w * (high - low) if w <= 1 else high + (w - 1) * max(0.0, high - low)
         return max(seconds, 1e-9)
 
     def _lookup(self, table, batch, block):
@@ -102,10 +112,12 @@ class CostModel:
         return row0 + u * (row1 - row0)
 
     def table_ms(self) -> str:
-        """The table as text, milliseconds, one row per batch size."""
-        lines = ["batch\\block " + " ".join(f"{b:>8}" for b in self.block_sizes)]
-        for n, row in zip(self.batch_sizes, self.seconds):
-            lines.append(f"{n:>11} " + " ".join(f"{t * 1e3:8.1f}" for t in row))
+        """The tables as text, milliseconds, one row per batch size, one table per context."""
+        lines = []
+        for context, table in zip(self.contexts, self.seconds):
+            lines.append(f"context {context}: batch\\block " + " ".join(f"{b:>8}" for b in self.block_sizes))
+            for n, row in zip(self.batch_sizes, table):
+                lines.append(f"{n:>24} " + " ".join(f"{t * 1e3:8.1f}" for t in row))
         return "\n".join(lines)
 
     def save(self, path):
@@ -118,9 +130,10 @@ class CostModel:
     @classmethod
     @torch.inference_mode()
     def profile(cls, target, drafter, batch_sizes=(1, 2, 4, 8, 16), block_sizes=(1, 2, 4, 8, 16),
-                context=256, repeats=3, short_context=32) -> "CostModel":
-        """Time real engine steps: the fastest of `repeats` after one warm-up, per grid point (on a
-        shared machine the fastest run is the step's own cost; a median of few runs was noise).
+                contexts=PROFILE_CONTEXTS, repeats=3) -> "CostModel":
+        """Time real engine steps: the fastest of `repeats` after one warm-up, per grid point and
+        context (on a shared machine the fastest run is the step's own cost; a median of few runs
+        was noise).
 
         Each step mirrors Engine.draft + Engine.verify on the greedy path: for b > 1 the drafter
         reads b context features (the most a step can leave pending) plus the block, then the
@@ -129,26 +142,21 @@ class CostModel:
         b positions with the drafter's feature layers, and verify_greedy. Every row sits at
         positions context..context+b-1 of a scratch cache (keys/values are zeros: attention costs
         the same whatever they hold). Python bookkeeping outside the models is not timed.
-        The grid is timed at `context` and again at `short_context` (None: skip) for the
-        per-position slope (clipped at >= 0). Tables are not smoothed: real ones are not always
-        monotone (bf16 on CPU: block 2 is cheaper than block 1 at long contexts, SDPA's q=1 path
-        is slow). Cost: 2 x (repeats + 1) steps per grid point; the default 5 x 5 grids on
-        SmolLM2-135M in bf16 take ~15 s on one CPU core (a smaller grid or repeats=1 for less).
+        Tables are not smoothed: real ones are not always monotone (bf16 on CPU: block 2 is
+        cheaper than block 1 at long contexts, SDPA's q=1 path is slow). Contexts: prompts of
+        chat (~100-300 tokens) to RAG (~700-1000) traffic; two contexts 224 positions apart gave
+        a slope lost in timing noise (long prompts then costed wrong). Cost: (repeats + 1) steps
+        per grid point and context; the default 5 x 5 grids at 3 contexts on SmolLM2-135M in
+        bf16 take ~25 s on one CPU core (a smaller grid or repeats=1 for less).
         """
         if drafter is None:
             block_sizes = (1,)
-        batch_sizes, block_sizes = sorted(set(batch_sizes)), sorted(set(block_sizes))
-        slots, max_len = max(batch_sizes), max(context, short_context or 0) + max(block_sizes)
+        batch_sizes, block_sizes, contexts = sorted(set(batch_sizes)), sorted(set(block_sizes)), sorted(set(contexts))
+        slots, max_len = max(batch_sizes), max(contexts) + max(block_sizes)
         caches = (target.new_cache(slots, max_len), drafter.new_cache(slots, max_len) if drafter is not None else None)
-        table = lambda ctx: [[_time_step(target, drafter, caches, n, b, ctx, repeats) for b in block_sizes]
-                             for n in batch_sizes]
-        seconds, slope = table(context), None
-        if short_context is not None and short_context != context:
-            short = table(short_context)
-            slope = [[max(0.0, (t - t0) / (context - short_context)) for t, t0 in zip(row, row0)]
-                     for row, row0 in zip(seconds, short)]
-        meta = dict(describe(target, drafter), contexts=[context, short_context])
-        return cls(batch_sizes, block_sizes, seconds, meta, context, slope)
+        seconds = [[[_time_step(target, drafter, caches, n, b, ctx, repeats) for b in block_sizes]
+                    for n in batch_sizes] for ctx in contexts]
+        return cls(batch_sizes, block_sizes, seconds, describe(target, drafter), contexts)
 
 
 def _time_step(target, drafter, caches, batch, block, context, repeats) -> float:
@@ -279,17 +287,21 @@ class AdaptiveBlockPolicy(BlockPolicy):
 
         Grids: 1, 2, 4, ... up to max_block_size / max_batch_size (or `block_sizes=`/`batch_sizes=`).
         With `path`, a table saved there for the same models and grids is reused, else the new one
-        is saved there. Other keywords go to CostModel.profile (context, repeats).
+        is saved there. Other keywords go to CostModel.profile (contexts, repeats).
         """
         powers = lambda n: sorted({1 << i for i in range(n.bit_length()) if 1 << i <= n} | {n})
         batches = sorted(set(profile_kw.pop("batch_sizes", powers(max_batch_size))))
         blocks = sorted(set(profile_kw.pop("block_sizes", powers(max_block_size))))
         cost_model = None
         if path is not None and Path(path).exists():
-            saved = CostModel.load(path)
-            same_models = all(saved.meta.get(k) == v for k, v in describe(target, drafter).items())
-            grids = (saved.batch_sizes, saved.block_sizes, saved.context)
-            if same_models and grids == (batches, [1] if drafter is None else blocks, profile_kw.get("context", 256)):
+            try:
+                saved = CostModel.load(path)
+            except (TypeError, ValueError):  # an older format: profile again
+                saved = None
+            contexts = sorted(set(profile_kw.get("contexts", PROFILE_CONTEXTS)))
+            if saved is not None and all(saved.meta.get(k) == v for k, v in describe(target, drafter).items()) \
+                    and (saved.batch_sizes, saved.block_sizes, saved.contexts) == \
+                    (batches, [1] if drafter is None else blocks, contexts):
                 cost_model = saved
         if cost_model is None:
             cost_model = CostModel.profile(target, drafter, batches, blocks, **profile_kw)

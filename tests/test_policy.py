@@ -196,20 +196,25 @@ def test_cost_model_interpolates_piecewise_linearly():
         CostModel([1, 2], [1], [[1.0]])
 
 
-def test_cost_model_is_linear_in_context():
-    cost = CostModel([1, 4], [1, 2], [[1.0, 2.0], [4.0, 5.0]], context=100,
-                     seconds_per_position=[[0.01, 0.0], [0.04, 0.02]])
-    assert cost.cost(1, 1) == cost.cost(1, 1, context=100) == 1.0
-    assert cost.cost(1, 1, context=300) == pytest.approx(3.0)
-    assert cost.cost(4, 2, context=0) == pytest.approx(3.0)
-    assert cost.cost(2, 1, context=200) == pytest.approx(2.0 + 100 * 0.02)  # slopes interpolate too
-    assert CostModel([1], [1], [[1.0]]).cost(1, 1, context=5000) == 1.0  # no slope: context-free
+def test_cost_model_is_piecewise_linear_in_context():
+    cost = CostModel([1, 4], [1, 2], [[[1.0, 2.0], [4.0, 5.0]], [[3.0, 2.0], [12.0, 9.0]]], contexts=[100, 300])
+    assert cost.cost(1, 1) == cost.cost(1, 1, context=100) == cost.cost(1, 1, context=10) == 1.0  # flat below
+    assert cost.cost(1, 1, context=200) == pytest.approx(2.0)
+    assert cost.cost(1, 1, context=500) == pytest.approx(5.0)  # past the last: the last segment extended
+    assert cost.cost(1, 2, context=500) == pytest.approx(2.0)  # ... never below the last table
+    assert cost.cost(2, 1, context=200) == pytest.approx((2.0 + 6.0) / 2)  # batch 2 is a third of the way to 4
+    assert CostModel([1], [1], [[1.0]]).cost(1, 1, context=5000) == 1.0  # one table: context-free
+    three = CostModel([1], [1], [[[1.0]], [[1.0]], [[3.0]]], contexts=[10, 20, 30])
+    assert three.cost(1, 1, context=15) == 1.0 and three.cost(1, 1, context=25) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="contexts x batch x block"):
+        CostModel([1, 4], [1, 2], [[1.0, 2.0], [4.0, 5.0]], contexts=[100, 300])
 
 
 def test_the_longest_context_in_the_batch_sets_the_cost():
     # bf16 on CPU: an AR step (q = 1) attends slowly, so at long contexts block 2 is the cheaper step
-    cost = CostModel([1, 16], [1, 2], [[0.020, 0.021], [0.040, 0.044]], context=32,
-                     seconds_per_position=[[1e-5, 2e-6], [1e-4, 2e-5]])
+    short = [[0.020, 0.021], [0.040, 0.044]]
+    long = [[0.020 + 968e-5, 0.021 + 968 * 2e-6], [0.040 + 968e-4, 0.044 + 968 * 2e-5]]
+    cost = CostModel([1, 16], [1, 2], [short, long], contexts=[32, 1000])
     policy = AdaptiveBlockPolicy(cost, block_sizes=(1, 2), prior=0.01)
     batch = [fake_request() for _ in range(16)]
     for r in batch:
@@ -221,8 +226,9 @@ def test_the_longest_context_in_the_batch_sets_the_cost():
 
 def test_cost_model_save_load_round_trip(tmp_path):
     cost = synthetic_cost()
-    cost.meta = {"device": "cpu", "contexts": [256, 32]}
-    cost.seconds_per_position = [[1e-6 * n * b for b in GRID] for n in GRID]
+    cost.meta = {"device": "cpu"}
+    cost.seconds.append([[t + 1e-6 * n * b for b, t in zip(GRID, row)] for n, row in zip(GRID, cost.seconds[0])])
+    cost.contexts = [32, 1024]
     cost.save(tmp_path / "cost.json")
     again = CostModel.load(tmp_path / "cost.json")
     assert again == cost
@@ -237,11 +243,12 @@ def test_profile_on_tiny_models_plugs_into_the_engine(tmp_path):
     target, drafter = tiny_models()
     path = tmp_path / "cost.json"
     policy = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path,
-                                         context=16, repeats=1)
+                                         contexts=(8, 16), repeats=1)
     cost = policy.cost_model
     assert cost.batch_sizes == [1, 2, 3] and cost.block_sizes == [1, 2, 4] and policy.block_sizes == [1, 2, 4]
-    assert all(t > 0 for row in cost.seconds for t in row) and path.exists()
-    reused = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path, context=16)
+    assert all(t > 0 for table in cost.seconds for row in table for t in row) and path.exists()
+    reused = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path,
+                                         contexts=(8, 16))
     assert reused.cost_model == cost  # same models: the saved table is reused, not re-profiled
 
     prompts = random_prompts(5, target.config.vocab_size)
@@ -260,14 +267,12 @@ def test_profile_default_model():
     torch.set_num_threads(1)  # shared CI boxes: oversubscribed OpenMP threads make timings erratic
     try:
         cost = CostModel.profile(loaded.target, loaded.drafter, batch_sizes=(1, 4), block_sizes=(1, 8),
-                                 context=64, repeats=2)
+                                 contexts=(64, 512), repeats=2)
     finally:
         torch.set_num_threads(threads)
-    (t11, t18), (t41, t48) = cost.seconds
+    (t11, t18), (t41, t48) = cost.seconds[0]
     assert min(t11, t18, t41, t48) > 0
     assert t48 > max(t18, t41) and min(t18, t41) > t11
-    assert cost.meta["dtype"] == "torch.bfloat16" and cost.context == 64
-    # attention reads every cached position, so the fitted cost per position is never negative and a
-    # longer context never predicts a cheaper step (32 vs 64 positions differ by less than this box's
-    # timing noise, so "strictly more" would be a coin toss here)
-    assert cost.seconds_per_position[-1][-1] >= 0 and cost.cost(4, 8, context=512) >= t48
+    assert cost.meta["dtype"] == "torch.bfloat16" and cost.contexts == [64, 512]
+    # attention reads every cached position: 8 x more of them is a dearer step of 4 x 8 positions
+    assert cost.cost(4, 8, context=512) > t48 and cost.cost(4, 8, context=2048) >= cost.cost(4, 8, context=512)
