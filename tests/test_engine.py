@@ -5,12 +5,13 @@ Tiny random models cover the maths; the default model (slow) covers the real thi
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from engine.drafter import Drafter, DrafterConfig
-from engine.engine import DraftBlock, Engine, SamplingParams
+from engine.engine import DraftBlock, Engine, SamplingParams, prefill_group
 from engine.model import ModelConfig, TargetModel
 
 TINY = ModelConfig(
@@ -175,6 +176,39 @@ def test_seed_reproducible_alone_or_batched():
     other = SamplingParams(max_tokens=20, temperature=1.0, block_size=4)
     batched = engine.generate_batch([[1, 2, 3], [4, 5]], [SamplingParams(**{**params.__dict__}), other])[0].output_ids
     assert batched == alone
+
+
+def test_prefill_groups_fit_the_budget_in_arrival_order():
+    rows = [SimpleNamespace(prompt_ids=[0] * n) for n in (5, 5, 20, 3)]
+    assert prefill_group(rows, 12) == rows[:2]  # a third row would pad all three to 20
+    assert prefill_group(rows, 4) == rows[:1]  # at least one, whatever its length
+    assert prefill_group(rows, 80) == rows
+
+
+def test_new_prompts_alternate_with_decode_steps_and_outputs_stay_exact(monkeypatch):
+    """A request arriving while others decode: its prefill and the running requests' decode steps
+    alternate (one budget-sized prefill group at a time), and greedy outputs equal each request alone."""
+    import engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_TOKEN_BUDGET", 8)
+    target, drafter = tiny_models()
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 1], [2, 3, 4, 5], [6, 7]]
+    params = lambda: SamplingParams(max_tokens=12, block_size=4)
+    alone = [Engine(target, drafter).generate_batch([p], params())[0].output_ids for p in prompts]
+    engine = Engine(target, drafter, max_slots=4)
+    first = engine.add_request(prompts[0], params())
+    assert [o.request_id for o in engine.step()] == [first.request_id]  # its prefill
+    engine.step()  # a decode step
+    later = [engine.add_request(p, params()) for p in prompts[1:]]
+    kinds = []
+    while not all(r.output_ids for r in later):
+        ids = [o.request_id for o in engine.step()]
+        kinds.append("decode" if first.request_id in ids else [r.request_id for r in later if r.request_id in ids])
+    # budget 8: [5-token prompt] alone, then [4, 2] padded to 2 x 4 = 8 together
+    assert kinds == [[later[0].request_id], "decode", [later[1].request_id, later[2].request_id]]
+    while engine.num_running:
+        engine.step()
+    assert [r.output_ids for r in [first, *later]] == alone
 
 
 def test_stream_abort_frees_slots():
