@@ -149,8 +149,6 @@ class AppConfig(BaseModel):
         if self.topology == "disaggregated":
             if self.draft == "none":
                 raise ValueError("topology 'disaggregated' needs a drafter (draft='none' has nothing to disaggregate)")
-            if self.policy == "adaptive":
-                raise ValueError("policy 'adaptive' is not supported with topology 'disaggregated' yet; use 'fixed'")
         return self
 
     @property

@@ -27,7 +27,7 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.engine_replica import EngineRequestError, resolve_target, sampling_params, start_engine
+from deployments.engine_replica import EngineRequestError, block_policy, resolve_target, sampling_params, start_engine
 from deployments.metrics import active_requests_gauge
 from deployments.shards import ShardedTarget, check_shards, start_shards
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
@@ -303,15 +303,17 @@ class VerifierReplica(_MirrorReplica):
 
 
 def build_drafter(config: AppConfig) -> tuple[Engine, dict]:
-    """The drafter and the target's embedding and LM head; the rest of the target is loaded, then dropped."""
+    """The drafter and the target's embedding and LM head; the rest of the target is loaded, then
+    dropped. The block policy is the drafter's: an adaptive one is profiled on the whole target
+    here before it is dropped (a colocated step's cost: the hops to the verifier are not in it)."""
     from engine.model import TargetHead
-    from engine.policy import FixedBlockPolicy
 
     loaded = _load(config)
     max_block = config.block_size or loaded.drafter.config.block_size
+    policy = block_policy(config, loaded, loaded.target, max_block)
     engine = Engine(TargetHead(loaded.target), loaded.drafter, max_slots=config.max_slots, max_len=config.max_len,
-                    policy=FixedBlockPolicy(max_block))
-    info = {"drafter": loaded.drafter_name, "dtype": str(loaded.dtype).removeprefix("torch."),
+                    policy=policy)
+    info = {"drafter": loaded.drafter_name, "dtype": str(loaded.dtype).removeprefix("torch."), "policy": config.policy,
             "max_block_size": max_block, "max_slots": engine.target_cache.num_slots,
             "torch_threads": torch.get_num_threads()}
     return engine, info
@@ -335,6 +337,10 @@ class DrafterReplica(_MirrorReplica):
         held = await self._hold(request_id)
         return await self._draft_batch(held, new_token_ids, features, start)
 
+    async def stats(self) -> dict:
+        """Also the blocks this replica drafted and how many of their drafts the verifier accepted."""
+        return {**await super().stats(), "spec_decoding": await self._on_engine(self.engine.stats.to_dict)}
+
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
     async def _draft_batch(self, helds: list, new_ids: list, features: list, starts: list) -> list[dict]:
         return await self._on_engine(self._draft, helds, new_ids, features, starts)
@@ -357,9 +363,14 @@ class DrafterReplica(_MirrorReplica):
             return results
         requests = [mirrors[i] for i in rows]
         for i, r in zip(rows, requests):
+            if starts[i] is None and hasattr(r, "last_block"):  # the verifier kept all but the bonus token
+                for stats in (r.stats, self.engine.stats):
+                    stats.observe_draft(r.last_block - 1, len(new_ids[i]) - 1)
             r.output_ids += new_ids[i]
             self.engine._commit(r, features[i].shape[0], features[i].to(self.engine.device))
         block_sizes = self.engine.policy.choose(requests, [self.engine._block_cap(r) for r in requests])
+        for r, b in zip(requests, block_sizes):
+            r.last_block = b  # what the next call's new tokens answer (the adaptive policy learns from it)
         draft = self.engine.draft(requests, block_sizes)
         for j, (i, r) in enumerate(zip(rows, requests)):
             b = block_sizes[j]

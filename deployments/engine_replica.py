@@ -8,6 +8,7 @@ about to be freed by the next step's aborts).
 """
 
 import asyncio
+import ctypes
 import fcntl
 import logging
 from collections import deque
@@ -60,14 +61,43 @@ def cost_model_path(config: AppConfig, loaded, max_block: int) -> Path:
     drafter = Path(loaded.drafter_name).name
     dtype = str(loaded.dtype).removeprefix("torch.")
     shards = f"-s{config.num_shards}x{config.shard_num_cpus:g}" if config.num_shards > 1 else ""
+    topology = "-disagg" if config.topology == "disaggregated" else ""
     name = f"{loaded.target_path.name}-{drafter}-{dtype}-{config.device.replace(':', '')}-" \
-           f"b{max_block}-n{config.max_slots}-t{config.torch_threads}{shards}.json"
+           f"b{max_block}-n{config.max_slots}-t{torch.get_num_threads()}{shards}{topology}.json"
     return cache_dir() / "cost-models" / name
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc
+        return None
+
+
+LIBC = _libc()
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+TRIM_EVERY_STEPS = 1000  # engine steps between heap trims under unbroken load
+
+
+def limit_malloc_arenas(num: int = 2):
+    """At most `num` glibc malloc arenas from now on. Each thread that allocates may otherwise get an
+    arena of its own (up to 8 per core), and tensors freed on another thread than the one that made
+    them leave fragmented arenas: a serving replica's RSS kept growing under load (dflash-serve soak)."""
+    if LIBC is not None:
+        LIBC.mallopt(M_ARENA_MAX, num)
+
+
+def release_free_memory():
+    """Hand the heap's free pages back to the OS (glibc malloc_trim); the step loop calls it when idle."""
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
 
 
 def start_engine(config: AppConfig, threads: int, build):
     """The engine thread of a replica: `build(config)` runs on it, and so does every later step.
     Returns (executor, engine, info, metrics) with the engine's forwards instrumented."""
+    limit_malloc_arenas()
     torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
     executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(threads,))
     engine, info = executor.submit(build, config).result()
@@ -76,10 +106,22 @@ def start_engine(config: AppConfig, threads: int, build):
     return executor, engine, info, metrics
 
 
+def block_policy(config: AppConfig, loaded, target, max_block: int):
+    """The configured block policy; an adaptive one is profiled on `target` and loaded.drafter (a table
+    per models and replica size, cached on disk)."""
+    from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
+
+    if config.policy != "adaptive" or loaded.drafter is None:
+        return FixedBlockPolicy(max_block)
+    path = cost_model_path(config, loaded, max_block)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return AdaptiveBlockPolicy.profile(
+        target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
+
+
 def build_engine(config: AppConfig) -> tuple[Engine, dict]:
     """Load the models and build the engine with the configured block policy; also what was built."""
     from engine.loading import load, stop_token_ids
-    from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
 
     loaded = load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
     target = loaded.target
@@ -89,13 +131,7 @@ def build_engine(config: AppConfig) -> tuple[Engine, dict]:
         target = start_shards(config, loaded.dtype, head=TargetHead(loaded.target))
         loaded.target = None
     max_block = 1 if loaded.drafter is None else config.block_size or loaded.drafter.config.block_size
-    if config.policy == "adaptive" and loaded.drafter is not None:
-        path = cost_model_path(config, loaded, max_block)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        policy = AdaptiveBlockPolicy.profile(
-            target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
-    else:
-        policy = FixedBlockPolicy(max_block)
+    policy = block_policy(config, loaded, target, max_block)
     engine = Engine(
         target, loaded.drafter, max_slots=config.max_slots, max_len=config.max_len, policy=policy,
         stop_token_ids=stop_token_ids(loaded.target_path),
@@ -169,6 +205,7 @@ class EngineReplica:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._consecutive_failures = 0
+        self._num_steps = 0
         self.counters = dict.fromkeys(
             ("num_requests", "num_finished", "num_cancelled", "num_rejected", "num_failed", "num_prompt_tokens",
              "num_generated_tokens"), 0)
@@ -267,7 +304,9 @@ class EngineReplica:
         while True:
             if not (self._waiting or self._running or self._aborts):
                 self._wake.clear()
-                await self._wake.wait()
+                await loop.run_in_executor(self._executor, release_free_memory)
+                if not self._wake.is_set():
+                    await self._wake.wait()
                 continue
             aborts, self._aborts = self._aborts, []
             admit = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.num_slots - len(self._running)))]
@@ -311,6 +350,9 @@ class EngineReplica:
             except ValueError as e:
                 rejected.append((stream, e))
         outputs = self.engine.step() if self.engine.num_running else []
+        self._num_steps += 1
+        if self._num_steps % TRIM_EVERY_STEPS == 0:  # a replica that is never idle trims too
+            release_free_memory()
         self.metrics.set_load(self.engine.num_running, self.engine.target_cache.num_used)
         return rejected, outputs
 

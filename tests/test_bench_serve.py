@@ -79,14 +79,13 @@ def test_bench_serve_disaggregated(serve_cluster, tmp_path):
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--variants", "server,foo"], "--variants: unknown or none: foo"),
     (["--variants", "server-disagg", "--url", "http://127.0.0.1:8000"], "--url: server-disagg deploys its own app"),
-    (["--variants", "server-disagg", "--policy", "adaptive"], "policy 'adaptive' is not supported with topology"),
     (["--draft", "none"], "--draft none: the server is already without speculation"),
     (["--url", "http://10.1.2.3:8000"], "--url must be a loopback address"),
     (["--plot", "out.pdf"], "--plot must be a .png path"),
     (["--json", "/no/such/dir/r.json"], "--json /no/such/dir/r.json"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--num-prompts", "99"], "--num-prompts must be in 1..8"),
-], ids=["concurrency", "concurrency-type", "num-requests", "max-tokens", "variants", "disagg-url", "disagg-adaptive",
+], ids=["concurrency", "concurrency-type", "num-requests", "max-tokens", "variants", "disagg-url",
         "draft-none", "url", "plot", "json", "temperature", "num-prompts"])
 def test_bench_serve_bad_flags_fail_before_ray(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("deployments.bench_serve.run", lambda cfg: pytest.fail("ran despite a bad flag"))

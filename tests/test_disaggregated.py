@@ -167,3 +167,47 @@ def test_ten_requests_in_a_row_leave_no_state(client, handles):
     wait_for_no_state(handles)
     stats = handles["Router"].stats.remote().result()
     assert stats["num_failed"] == 0
+
+
+# ---- the adaptive block policy in the drafter -------------------------------------------------
+
+ADAPTIVE = AppConfig(topology="disaggregated", policy="adaptive", dtype="float32", max_slots=2, block_size=4,
+                     num_cpus=0.5, drafter_num_cpus=0.5)  # the trained drafter: real acceptance to learn from
+
+
+@pytest.mark.slow
+def test_adaptive_drafter_learns_from_the_verifier_and_stays_exact(serve_cluster):
+    """The drafter replica profiles a cost table at start (on the whole target, before dropping it),
+    picks each step's block from it and from what the verifier accepted of its earlier blocks: it
+    sees exactly the router's blocks but the last (no draft call follows it). Greedy text unchanged."""
+    import torch
+
+    from engine.engine import Engine, SamplingParams
+    from engine.loading import load, stop_token_ids
+    from engine.policy import FixedBlockPolicy
+    from engine.prompts import chat
+
+    base = deploy(build_app(ADAPTIVE), "dflash-disagg-adaptive", serve_cluster, "/disagg-adaptive")
+    try:
+        drafter = serve.get_deployment_handle("DrafterReplica", "dflash-disagg-adaptive")
+        assert drafter.info.remote().result()["policy"] == "adaptive"
+        torch.set_num_threads(1)
+        loaded = load(ADAPTIVE.target, "none", ADAPTIVE.dtype)
+        plain = Engine(loaded.target, None, max_slots=1, policy=FixedBlockPolicy(1),
+                       stop_token_ids=stop_token_ids(loaded.target_path))
+        client = openai_client(base)
+        for prompt in (CHAT_PROMPT, "Name three rivers in Europe."):
+            before = drafter.stats.remote().result()["spec_decoding"]
+            out = client.chat.completions.create(model=ADAPTIVE.model_name, max_tokens=24, temperature=0,
+                                                 messages=[{"role": "user", "content": prompt}])
+            want = plain.generate_batch([chat(prompt).token_ids(loaded.tokenizer)], SamplingParams(max_tokens=24))[0]
+            assert out.choices[0].message.content == loaded.tokenizer.decode(
+                want.output_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            after = drafter.stats.remote().result()["spec_decoding"]
+            router = out.usage.model_extra["spec_decoding"]
+            seen = {b: n - before["block_sizes"].get(b, 0) for b, n in after["block_sizes"].items()}
+            steps = sum(router["block_sizes"].values())
+            assert sum(seen.values()) == steps - 1 and set(seen) <= {1, 2, 4}
+            assert after["num_accepted_tokens"] - before["num_accepted_tokens"] <= router["num_accepted_tokens"]
+    finally:
+        serve.delete("dflash-disagg-adaptive")

@@ -401,14 +401,13 @@ def test_incremental_text_releases_held_back_prefix_that_is_not_a_stop():
 
 
 @pytest.mark.parametrize("args, message", [
-    ({"topology": "disaggregated", "policy": "adaptive"}, "not supported with topology 'disaggregated'"),
     ({"max_slots": 0}, "max_slots"),
     ({"draft": "/no/such/drafter"}, "no drafter there"),
     ({"target": "/no/such/model"}, "no model there"),
     ({"device": "tpu"}, "device must be 'cpu' or 'cuda"),
     ({"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}}, "max_replicas"),
     ({"max_slot": 4}, "max_slot"),  # a typo is an error, not a silent default
-], ids=["disaggregated", "max-slots", "draft", "target", "device", "autoscaling", "typo"])
+], ids=["max-slots", "draft", "target", "device", "autoscaling", "typo"])
 def test_config_rejects_bad_values_by_name(args, message):
     with pytest.raises(ValidationError, match=message):
         AppConfig.model_validate(args)
