@@ -19,15 +19,21 @@ from deployments.shards import check_num_shards, resource_bundle
 INGRESS_MAX_ONGOING_REQUESTS = 1024
 
 
+def actor_resources(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict:
+    """A replica's ray_actor_options: CPUs, GPUs and custom resources (those pin it to the nodes that have them)."""
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, **({"resources": dict(resources)} if resources else {})}
+
+
 def target_placement(config: AppConfig) -> dict:
     """Serve options of the replicas that run the target: their resources and, with num_shards > 1,
     a placement group per replica (bundle 0 the replica, then one per shard; see deployments/shards.py)
     that Serve reserves before it starts the replica and removes when the replica goes."""
-    options = {"ray_actor_options": {"num_cpus": config.num_cpus, "num_gpus": config.num_gpus}}
+    options = {"ray_actor_options": actor_resources(config.num_cpus, config.num_gpus, config.resources)}
     if config.num_shards > 1:
         check_num_shards(config)
-        bundles = [resource_bundle(config.num_cpus, config.num_gpus)]
-        bundles += [resource_bundle(config.shard_num_cpus, config.shard_num_gpus)] * config.num_shards
+        bundles = [resource_bundle(config.num_cpus, config.num_gpus, config.resources)]
+        bundles += [resource_bundle(config.shard_num_cpus, config.shard_num_gpus, config.shard_resources)] \
+            * config.num_shards
         options.update(placement_group_bundles=bundles, placement_group_strategy=config.shard_placement)
     return options
 
@@ -46,7 +52,7 @@ def build_app(config: AppConfig | dict) -> Application:
         ).bind(args)
         drafter = DrafterReplica.options(
             **drafter_scaling, max_ongoing_requests=config.replica_max_ongoing_requests,
-            ray_actor_options={"num_cpus": config.drafter_num_cpus, "num_gpus": config.drafter_num_gpus},
+            ray_actor_options=actor_resources(config.drafter_num_cpus, config.drafter_num_gpus, config.drafter_resources),
         ).bind(args)
         engine = Router.options(
             num_replicas=1, max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,

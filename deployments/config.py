@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 
 API_KEYS_ENV = "DFLASH_API_KEYS"  # a comma list of API keys, in addition to AppConfig.api_keys
+DICT_FIELDS = (  # the fields `serve run ... key=value` may pass as a JSON object
+    "autoscaling_config", "drafter_autoscaling_config", "resources", "drafter_resources", "shard_resources")
+MIN_RESOURCE_AMOUNT = 0.0001  # the smallest amount of a resource Ray schedules by
 
 
 def env_api_keys() -> list[str]:
@@ -46,6 +49,10 @@ class AppConfig(BaseModel):
     num_cpus: float = Field(
         1, gt=0, description="CPUs reserved per engine replica; torch uses this many threads in it.")
     num_gpus: float = Field(0, ge=0, description="GPUs reserved per engine replica (set with device='cuda').")
+    resources: dict[str, float] = Field(
+        {}, description="Custom Ray resources reserved per engine replica (verifier replica when disaggregated), "
+        "e.g. {'dflash_node_0': 0.01} to pin it to the nodes that have that resource; with num_shards > 1 they "
+        "join the replica's bundle of its placement group.")
     num_replicas: int = Field(1, ge=1, description="Engine replicas when autoscaling_config is not given.")
     num_shards: int = Field(
         1, ge=1, description="Pipeline shards of the target per verifier replica (per engine replica when colocated): "
@@ -58,12 +65,18 @@ class AppConfig(BaseModel):
         1, gt=0, description="With num_shards > 1: CPUs reserved per shard; torch uses this many threads in it.")
     shard_num_gpus: float = Field(
         0, ge=0, description="With num_shards > 1: GPUs reserved per shard (set with device='cuda').")
+    shard_resources: dict[str, float] = Field(
+        {}, description="With num_shards > 1: custom Ray resources in each shard's placement group bundle "
+        "(every shard the same), e.g. to keep the shards on the nodes that have that resource.")
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling for the engine replicas (min_replicas, max_replicas, "
         "target_ongoing_requests, ...); replaces num_replicas.")
     drafter_num_cpus: float = Field(
         1, gt=0, description="disaggregated: CPUs reserved per drafter replica (torch uses this many threads).")
     drafter_num_gpus: float = Field(0, ge=0, description="disaggregated: GPUs reserved per drafter replica.")
+    drafter_resources: dict[str, float] = Field(
+        {}, description="disaggregated: custom Ray resources reserved per drafter replica (pins the drafters "
+        "to the nodes that have them).")
     drafter_num_replicas: int = Field(
         1, ge=1, description="disaggregated: drafter replicas when drafter_autoscaling_config is not given.")
     drafter_autoscaling_config: dict[str, Any] | None = Field(
@@ -94,11 +107,12 @@ class AppConfig(BaseModel):
                 for k, v in data.items()}
         if isinstance(data.get("api_keys"), str):  # key=value: a comma list
             data["api_keys"] = [k for k in data["api_keys"].split(",") if k]
-        if isinstance(data.get("autoscaling_config"), str):
-            try:
-                data["autoscaling_config"] = json.loads(data["autoscaling_config"])
-            except json.JSONDecodeError as e:
-                raise ValueError(f"autoscaling_config: not a JSON object: {e}") from None
+        for name in DICT_FIELDS:
+            if isinstance(data.get(name), str):
+                try:
+                    data[name] = json.loads(data[name])
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{name}: not a JSON object: {e}") from None
         return data
 
     @field_validator("device")
@@ -129,6 +143,20 @@ class AppConfig(BaseModel):
     def _keys(cls, v):
         if any(not k.get_secret_value().strip() or k.get_secret_value() != k.get_secret_value().strip() for k in v):
             raise ValueError("api_keys: a key must not be empty or start or end with whitespace")
+        return v
+
+    @field_validator("resources", "drafter_resources", "shard_resources")
+    @classmethod
+    def _resources(cls, v, info):
+        prefix = info.field_name.removesuffix("resources")  # "", "drafter_" or "shard_"
+        for name, amount in v.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{info.field_name}: {name} is set with {prefix}num_{name.lower()}s, not here "
+                                 "(only custom resources)")
+            if not name.strip():
+                raise ValueError(f"{info.field_name}: a resource needs a name")
+            if not amount >= MIN_RESOURCE_AMOUNT:  # Ray's precision; 0 would reserve (and pin) nothing
+                raise ValueError(f"{info.field_name}: {name} must be at least {MIN_RESOURCE_AMOUNT}, got {amount}")
         return v
 
     @field_validator("autoscaling_config", "drafter_autoscaling_config")

@@ -30,9 +30,9 @@ def layer_ranges(num_layers: int, num_shards: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:]))
 
 
-def resource_bundle(num_cpus: float, num_gpus: float) -> dict:
-    """A placement group bundle (a shard's or a replica's resources)."""
-    return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+def resource_bundle(num_cpus: float, num_gpus: float, resources: dict[str, float] | None = None) -> dict:
+    """A placement group bundle (a shard's or a replica's resources; custom ones pin it to the nodes that have them)."""
+    return {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {}), **(resources or {})}
 
 
 @ray.remote
@@ -82,12 +82,14 @@ class ShardedTarget:
     lm_head to an engine that also drafts.
 
     placement_group: the bundles first_bundle.. of it hold the shards (a Serve replica's own group,
-    see build_app); None: this object makes a group of its own with `strategy` and removes it in close().
+    see build_app); None: this object makes a group of its own with `strategy` (one bundle of num_cpus,
+    num_gpus and the custom `resources` per shard) and removes it in close().
     """
 
     def __init__(self, target: str | None, num_shards: int, dtype: torch.dtype, device: str = "cpu", *,
-                 num_cpus: float = 1, num_gpus: float = 0, strategy: str = "PACK",
-                 placement_group: PlacementGroup | None = None, first_bundle: int = 0, head: TargetHead | None = None):
+                 num_cpus: float = 1, num_gpus: float = 0, resources: dict[str, float] | None = None,
+                 strategy: str = "PACK", placement_group: PlacementGroup | None = None, first_bundle: int = 0,
+                 head: TargetHead | None = None):
         from deployments.engine_replica import resolve_target
 
         hf_config = read_hf_config(resolve_target(target))
@@ -101,7 +103,8 @@ class ShardedTarget:
         self.embed_tokens, self.lm_head = (head.embed_tokens, head.lm_head) if head is not None else (None, None)
         self._own_group = placement_group is None
         if self._own_group:
-            placement_group, first_bundle = self._make_group(num_shards, num_cpus, num_gpus, strategy), 0
+            placement_group, first_bundle = self._make_group(num_shards, resource_bundle(num_cpus, num_gpus, resources),
+                                                             strategy), 0
         self.placement_group = placement_group
         threads = max(1, round(num_cpus))
         self.shards = [
@@ -116,13 +119,13 @@ class ShardedTarget:
         self._cache_ids = itertools.count()
 
     @staticmethod
-    def _make_group(num_shards, num_cpus, num_gpus, strategy) -> PlacementGroup:
-        group = ray.util.placement_group([resource_bundle(num_cpus, num_gpus)] * num_shards, strategy=strategy)
+    def _make_group(num_shards, bundle, strategy) -> PlacementGroup:
+        group = ray.util.placement_group([bundle] * num_shards, strategy=strategy)
         ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(group)
             raise RuntimeError(f"the cluster could not place {num_shards} target shards of "
-                               f"{resource_bundle(num_cpus, num_gpus)} ({strategy}) in {PLACEMENT_TIMEOUT_S} s")
+                               f"{bundle} ({strategy}) in {PLACEMENT_TIMEOUT_S} s")
         return group
 
     def new_cache(self, num_slots, max_len) -> SlotTable:
@@ -168,8 +171,9 @@ def start_shards(config: AppConfig, dtype: torch.dtype, head: TargetHead | None 
     """A replica's target shards, in the placement group build_app gave the replica (bundle 0 holds the
     replica, bundles 1..num_shards the shards); a replica deployed without one gets a group of their own."""
     return ShardedTarget(config.target, config.num_shards, dtype, config.device, num_cpus=config.shard_num_cpus,
-                         num_gpus=config.shard_num_gpus, strategy=config.shard_placement,
-                         placement_group=ray.util.get_current_placement_group(), first_bundle=1, head=head)
+                         num_gpus=config.shard_num_gpus, resources=config.shard_resources,
+                         strategy=config.shard_placement, placement_group=ray.util.get_current_placement_group(),
+                         first_bundle=1, head=head)
 
 
 async def check_shards(target):
