@@ -122,9 +122,10 @@ def test_custom_resources_reach_the_replicas_and_their_placement_group_bundles()
         [{"CPU": 0.25, "gpu_host": 1}] * 2
     assert options["placement_group_strategy"] == "SPREAD"
     assert "resources" not in target_placement(AppConfig())["ray_actor_options"]  # none asked, none passed
-    cli = AppConfig.model_validate({"resources": '{"a": 1}', "drafter_resources": '{"b": 0.5}',
-                                    "shard_resources": "{}"})  # `serve run ... key=value` passes strings
+    cli = AppConfig.model_validate({"resources": '{"a": 1}', "drafter_resources": '{"b": 0.5}', "shard_resources": "{}",
+                                    "drafter_autoscaling_config": '{"max_replicas": 2}'})  # key=value: strings
     assert (cli.resources, cli.drafter_resources, cli.shard_resources) == ({"a": 1}, {"b": 0.5}, {})
+    assert cli.drafter_autoscaling_config == {"max_replicas": 2}
 
 
 @pytest.mark.parametrize("field, value, message", [
