@@ -437,9 +437,9 @@ def deploy_apps(apps: dict[str, tuple[str, AppConfig]], cluster_url: str, timeou
     from ray import serve
 
     from deployments.app import build_app
+    from deployments.launch import reserved_cpus
 
-    need = sum(config.num_cpus + (config.drafter_num_cpus if config.topology == "disaggregated" else 0)
-               for _, config in apps.values())
+    need = sum(reserved_cpus(config) for _, config in apps.values())
     free = ray.available_resources().get("CPU", 0)
     if need > free + 1e-9:
         raise ValueError(f"the server apps need {need:g} CPUs but the Ray cluster has {free:g} free; "

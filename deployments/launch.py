@@ -2,6 +2,7 @@
 127.0.0.1 and block until interrupted. It owns only the process's lifetime; the app is build_app's.
 """
 
+import math
 import os
 import time
 
@@ -11,11 +12,25 @@ def app_config(args):
 
     optional = {"max_queued_requests": args.max_queued_requests, "request_timeout_s": args.request_timeout_s}
     keys = [*args.api_key, *env_api_keys()]  # the replicas would read the environment too; this shows the count
-    return AppConfig(
+    config = AppConfig(
         target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, policy=args.policy,
         block_size=args.block_size, max_slots=args.max_slots, num_replicas=args.num_replicas, api_keys=keys,
+        topology=args.topology, num_shards=args.num_shards, shard_placement=args.shard_placement,
         **{k: v for k, v in optional.items() if v is not None},
     )
+    if config.num_shards > 1:
+        from deployments.shards import check_num_shards
+
+        check_num_shards(config)  # more shards than the target has layers: an error before Ray starts
+    return config
+
+
+def reserved_cpus(config) -> float:
+    """Ray CPUs the application reserves: per engine (or verifier) replica its own and its shards',
+    and the drafter replicas' when disaggregated (the ingress and the router reserve none)."""
+    shards = config.num_shards * config.shard_num_cpus if config.num_shards > 1 else 0
+    drafters = config.drafter_num_cpus * config.drafter_num_replicas if config.topology == "disaggregated" else 0
+    return config.num_replicas * (config.num_cpus + shards) + drafters
 
 
 def serve_forever(config, port: int):
@@ -26,7 +41,8 @@ def serve_forever(config, port: int):
     from deployments.app import build_app
 
     # the dashboard (Serve tab) on loopback; it also writes the discovery file cluster/prometheus.yml reads
-    context = ray.init(address="local", num_cpus=max(2, config.num_replicas), include_dashboard=True,
+    # logical CPUs: what the app reserves (more than the machine has is allowed; they then share its cores)
+    context = ray.init(address="local", num_cpus=max(2, math.ceil(reserved_cpus(config))), include_dashboard=True,
                        dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

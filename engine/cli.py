@@ -117,6 +117,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                      help="block-size policy (adaptive: profiles a cost model at the first start, cached on disk)")
     srv.add_argument("--max-slots", type=int, default=8, help="requests decoded together per replica")
     srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (1 CPU each)")
+    srv.add_argument("--topology", default="colocated", choices=("colocated", "disaggregated"),
+                     help="colocated: drafter and target in one replica; disaggregated: drafter and verifier "
+                          "deployments behind a router")
+    srv.add_argument("--num-shards", type=int, default=1,
+                     help="pipeline shards of the target per replica (Ray actors, 1 CPU each)")
+    srv.add_argument("--shard-placement", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+                     help="placement group strategy of a replica and its shards")
     srv.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
     srv.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
     srv.add_argument("--dtype", default="auto", choices=DTYPES)
@@ -218,6 +225,7 @@ RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None mean
     ("port", lambda v: v is None or 0 < v < 65536, "must be a TCP port (1-65535)"),
     ("max_slots", lambda v: v is None or v >= 1, "must be >= 1"),
     ("num_replicas", lambda v: v is None or v >= 1, "must be >= 1"),
+    ("num_shards", lambda v: v >= 1, "must be >= 1"),
     ("max_prompt_tokens", lambda v: v >= 1, "must be >= 1"),
     ("workers", lambda v: v >= 1, "must be >= 1"),
 ]

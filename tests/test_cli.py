@@ -51,6 +51,8 @@ BAD_FLAGS = [  # (argv, text that stderr must contain)
     (["serve", "--max-slots", "0"], "--max-slots must be >= 1"),
     (["serve", "--num-replicas", "0"], "--num-replicas must be >= 1"),
     (["serve", "--draft", "/no/such/drafter"], "--draft /no/such/drafter"),
+    (["serve", "--num-shards", "0"], "--num-shards must be >= 1"),
+    (["serve", "--shard-placement", "ANYWHERE"], "--shard-placement"),
     (["bench", "--methods", "hf,nope"], "--methods: unknown method nope"),
     (["bench", "--block-sizes", "0,4"], "--block-sizes must all be >= 1"),
     (["bench", "--block-sizes", "4,x"], "--block-sizes"),
@@ -75,6 +77,30 @@ def test_bad_flags_fail_before_loading(argv, message, prompt_files, capsys, monk
         cli.main(argv)
     assert exit_info.value.code != 0
     assert message.format(tmp=prompt_files) in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-shards", "99"], "num_shards must be between 1 and the target's 30 layers, got 99"),
+    (["--topology", "disaggregated", "--draft", "none"], "topology 'disaggregated' needs a drafter"),
+])
+def test_serve_config_errors_stop_before_ray_starts(argv, message, capsys, monkeypatch):
+    from deployments import launch
+
+    monkeypatch.setattr(launch, "serve_forever", lambda *a: pytest.fail("the server started"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_flags_make_the_app_config():
+    from deployments.launch import app_config, reserved_cpus
+
+    args = cli.build_parser()[0].parse_args(["serve", "--topology", "disaggregated", "--num-shards", "2",
+                                              "--shard-placement", "SPREAD", "--num-replicas", "2"])
+    config = app_config(args)
+    assert (config.topology, config.num_shards, config.shard_placement) == ("disaggregated", 2, "SPREAD")
+    assert reserved_cpus(config) == 2 * (1 + 2) + 1  # 2 verifiers with 2 shards each, and a drafter
+    assert reserved_cpus(app_config(cli.build_parser()[0].parse_args(["serve"]))) == 1
 
 
 def test_bad_flag_subprocess_exit_code():
