@@ -76,16 +76,21 @@ def _libc():
 
 
 LIBC = _libc()
-M_ARENA_MAX = -8  # glibc's mallopt parameter
+M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD = 1 << 20  # bytes: bigger blocks are mapped on their own and unmapped when freed
 TRIM_EVERY_STEPS = 1000  # engine steps between heap trims under unbroken load
 
 
-def limit_malloc_arenas(num: int = 2):
-    """At most `num` glibc malloc arenas from now on. Each thread that allocates may otherwise get an
-    arena of its own (up to 8 per core), and tensors freed on another thread than the one that made
-    them leave fragmented arenas: a serving replica's RSS kept growing under load (dflash-serve soak)."""
+def tune_malloc():
+    """Keep a replica's memory at what it uses (glibc). At most 2 malloc arenas: each thread that
+    allocates may otherwise get its own (up to 8 per core), and tensors freed by another thread than
+    the one that made them fragment them. A fixed mmap threshold of 1 MiB: glibc otherwise raises it
+    after each large free (up to 32 MiB), so the big transient tensors of a prefill or a wide verify
+    then come from the heap and their pages stay with the process at the high-water mark of the
+    biggest steps so far (a serving replica's RSS kept growing under load: dflash-serve soak)."""
     if LIBC is not None:
-        LIBC.mallopt(M_ARENA_MAX, num)
+        LIBC.mallopt(M_ARENA_MAX, 2)
+        LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
 def release_free_memory():
@@ -97,7 +102,7 @@ def release_free_memory():
 def start_engine(config: AppConfig, threads: int, build):
     """The engine thread of a replica: `build(config)` runs on it, and so does every later step.
     Returns (executor, engine, info, metrics) with the engine's forwards instrumented."""
-    limit_malloc_arenas()
+    tune_malloc()
     torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
     executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(threads,))
     engine, info = executor.submit(build, config).result()

@@ -2,8 +2,12 @@
 
 import os
 
-# oneDNN (torch's CPU bf16 matmuls) caches a compiled primitive per distinct shape, 1,024 by default.
-# Decoding makes a new attention shape at nearly every step (the context grows), so a serving process
-# grew by ~60 MB a minute under load (dflash-serve soak) until the cache filled. 128 keeps the hot
-# shapes (the linear layers' few batch x block shapes) at no measured cost. Set it to override.
+# torch's CPU bf16 matmuls keep what they build for each distinct shape in two caches, 1,024 entries
+# each by default: oneDNN's primitive cache and ideep's computation cache (LRU_CACHE_CAPACITY), ~0.4 MB
+# an entry (torch 2.13). Decoding makes new shapes all the time (the context grows; prefill widths and
+# batch x block rows vary), so a serving process grew by 30-60 MB a minute under load (dflash-serve
+# soak) until both filled (~0.8 GB). 128 each keeps the hot shapes (the linear layers' few batch x block
+# shapes) at no measured cost; a bf16 matmul over 1,000 new shapes then grows ~160 MB instead of ~460 MB
+# (scripts/matmul_cache_memory.py). Set either variable to override.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+os.environ.setdefault("LRU_CACHE_CAPACITY", "128")
