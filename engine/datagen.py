@@ -10,6 +10,7 @@ sequences. A run that is interrupted resumes after its last complete shard.
 """
 
 import ast
+import functools
 import json
 import sysconfig
 import zlib
@@ -87,6 +88,13 @@ def summary_line(doc: str) -> str:
 
 def code_prompts() -> list[PromptItem]:
     """'Write a Python function ...' prompts from the documented public functions of the stdlib."""
+    return list(_code_prompts())
+
+
+@functools.cache
+def _code_prompts() -> tuple[PromptItem, ...]:
+    """Read once per process: whether ast.parse manages a deeply nested module depends on how deep the
+    caller's stack is (CI saw one module drop out between two calls in one test)."""
     items = []
     for module, tree in stdlib_modules():
         for node in tree.body:
@@ -97,7 +105,7 @@ def code_prompts() -> list[PromptItem]:
                 continue
             text = f"Write a Python function `{node.name}({ast.unparse(node.args)})`. {summary_line(doc)}"
             items.append(PromptItem(f"code/{module}.{node.name}", "code", text))
-    return items
+    return tuple(items)
 
 
 def load_prompts(sources=SOURCES, split="train") -> list[PromptItem]:
