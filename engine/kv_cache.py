@@ -50,18 +50,17 @@ class KVCache(SlotTable):
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     def batch_index(self, slots):
-        """Index forms of a batch's slots (host ints): a tensor for writes, and for reads a slice
-        (a view, no copy) when the slots are consecutive, else the tensor."""
+        """Index forms of a batch's slots (host ints): a [batch, 1] tensor for writes, and for reads
+        a slice (a view, no copy) when the slots are consecutive, else a [batch] tensor."""
         slots = [int(s) for s in slots]
         ids = torch.tensor(slots, device=self.k.device)
         consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
-        return ids, slice(slots[0], slots[0] + len(slots)) if consecutive else ids
+        return ids[:, None], slice(slots[0], slots[0] + len(slots)) if consecutive else ids
 
     def write(self, layer, slot_ids, write_pos, k, v):
-        """slot_ids [batch] long; write_pos [batch, q] long (max_len for padding); k, v [batch, heads, q, dim]."""
-        index = (slot_ids[:, None], slice(None), write_pos)
-        self.k[layer][index] = k.transpose(1, 2)
-        self.v[layer][index] = v.transpose(1, 2)
+        """slot_ids [batch, 1] long; write_pos [batch, q] long (max_len for padding); k, v [batch, heads, q, dim]."""
+        self.k[layer][slot_ids, :, write_pos] = k.transpose(1, 2)
+        self.v[layer][slot_ids, :, write_pos] = v.transpose(1, 2)
 
     def read(self, layer, read_index, kv_len):
         """Keys and values of positions 0..kv_len-1 of each slot: two [batch, heads, kv_len, dim]."""
