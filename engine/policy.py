@@ -57,6 +57,9 @@ def _bracket(grid, x):
     return i, i + 1, max(0.0, (x - grid[i]) / (grid[i + 1] - grid[i]))
 
 
+# Bumped when the engine's step costs change: tables saved before are profiled again.
+COST_MODEL_VERSION = 2
+
 PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) to RAG (~700-1000) prompts
 
 
@@ -181,7 +184,7 @@ def describe(target, drafter) -> dict:
         "target": f"{getattr(tc, 'model_type', '')} L{tc.num_layers} H{tc.hidden_size} V{tc.vocab_size}",
         "drafter": None if drafter is None else f"L{drafter.config.num_layers} {drafter.dtype}" + (
             "" if getattr(drafter, "draft_vocab", None) is None else f" draft vocab {len(drafter.draft_vocab)}"),
-        "dtype": str(target.dtype), "device": str(target.device),
+        "dtype": str(target.dtype), "device": str(target.device), "engine": COST_MODEL_VERSION,
     }
 
 
@@ -257,8 +260,11 @@ class AdaptiveBlockPolicy(BlockPolicy):
     - engine-wide pool: the drafts of every request this policy has seen, shrunk towards `prior`
       (a float, or one value per position) with weight `min_drafts`; it forgets old data by
       keeping at most `pool_drafts` drafts' worth of counts (so it follows a changing workload).
-    - request i: its own SpecStats counts shrunk towards the pool with weight `min_drafts`: a new
-      request starts at the pool's estimate and its own data dominates after ~min_drafts drafts.
+    - request i: its own SpecStats counts shrunk towards the pool with weight `request_drafts`: a
+      new request starts at the pool's estimate and its own data dominates after ~request_drafts
+      drafts. 32, not 8: at a pooled acceptance of ~0.2, 8 unlucky drafts sent a third of the steps
+      of one-at-a-time traffic to block 1, 1-2% below the best fixed block; with 32 it is at or above
+      it (scripts/policy_ab.py).
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
     the smallest block > 1 in `block_sizes`; while probes find nothing worth drafting the interval
@@ -266,13 +272,14 @@ class AdaptiveBlockPolicy(BlockPolicy):
     """
 
     def __init__(self, cost_model: CostModel, block_sizes=(1, 2, 4, 8, 16), prior=0.5, min_drafts=8,
-                 explore_every=16, pool_drafts=512):
+                 explore_every=16, pool_drafts=512, request_drafts=32):
         self.cost_model = cost_model
         self.block_sizes = sorted(set(block_sizes) | {1})
         self.prior = prior
         self.min_drafts = min_drafts
         self.explore_every = explore_every
         self.pool_drafts = pool_drafts
+        self.request_drafts = request_drafts
         self.pool_reached: list[float] = []  # per draft position, decayed counts over all requests
         self.pool_accepted: list[float] = []
         self._seen: dict[int, tuple] = {}  # id(stats) -> (stats, reached, accepted) at the last step
@@ -282,7 +289,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
 
     @classmethod
     def profile(cls, target, drafter, max_block_size=16, max_batch_size=16, path=None, prior=0.5, min_drafts=8,
-                explore_every=16, pool_drafts=512, **profile_kw) -> "AdaptiveBlockPolicy":
+                explore_every=16, pool_drafts=512, request_drafts=32, **profile_kw) -> "AdaptiveBlockPolicy":
         """Profile a CostModel on these models and return the policy over its block sizes.
 
         Grids: 1, 2, 4, ... up to max_block_size / max_batch_size (or `block_sizes=`/`batch_sizes=`).
@@ -307,7 +314,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
             cost_model = CostModel.profile(target, drafter, batches, blocks, **profile_kw)
             if path is not None:
                 cost_model.save(path)
-        return cls(cost_model, blocks, prior, min_drafts, explore_every, pool_drafts)
+        return cls(cost_model, blocks, prior, min_drafts, explore_every, pool_drafts, request_drafts)
 
     def pooled_acceptance(self, n: int) -> list[float]:
         """The engine-wide estimate at draft positions 1..n (what a new request starts from)."""
@@ -318,7 +325,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
     def acceptance(self, stats, n: int, pooled: list[float] | None = None) -> list[float]:
         """Request estimate at draft positions 1..n."""
         pooled = self.pooled_acceptance(n) if pooled is None else pooled[:n]
-        return shrunk_acceptance(stats.accepted_per_pos, stats.reached_per_pos, pooled, self.min_drafts)
+        return shrunk_acceptance(stats.accepted_per_pos, stats.reached_per_pos, pooled, self.request_drafts)
 
     def choose(self, requests, caps):
         if not caps:

@@ -55,7 +55,7 @@ def test_expected_tokens():
 
 def test_high_acceptance_alone_gets_the_largest_block():
     policy = AdaptiveBlockPolicy(synthetic_cost())
-    assert policy.choose([fake_request([0.9])], [16]) == [16]
+    assert policy.choose([fake_request([0.9], drafts=1000)], [16]) == [16]
 
 
 def test_same_acceptance_in_a_big_batch_under_steep_cost_gets_a_smaller_block():
@@ -96,7 +96,7 @@ def test_a_new_request_starts_from_the_prior_then_the_engine_wide_pool():
 
 
 def test_own_data_overrides_the_prior_after_a_few_drafts():
-    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.9, min_drafts=8)
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.9, min_drafts=8, request_drafts=8)
     bad = fake_request([0.0], drafts=40)
     policy.choose([bad], [16])  # the pool learns from it too
     assert policy.acceptance(bad.stats, 1)[0] < 0.05
@@ -104,7 +104,7 @@ def test_own_data_overrides_the_prior_after_a_few_drafts():
 
 
 def test_unreached_positions_carry_the_last_estimate_forward():
-    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.1, min_drafts=1)
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.1, min_drafts=1, request_drafts=1)
     r = fake_request([1.0], drafts=20, block=4)  # only positions 1..3 ever drafted
     a = policy.acceptance(r.stats, 15)
     assert a[3:] == [a[2]] * 12 and a[2] > 0.9
@@ -115,7 +115,8 @@ def test_unreached_positions_carry_the_last_estimate_forward():
 def test_the_choice_maximises_expected_tokens_per_second(seed):
     rng = random.Random(seed)
     cost = synthetic_cost(fixed_ms=rng.uniform(5, 50), per_token_ms=rng.uniform(0.1, 10))
-    policy = AdaptiveBlockPolicy(cost, block_sizes=range(1, 17), min_drafts=rng.choice([0, 8]))
+    policy = AdaptiveBlockPolicy(cost, block_sizes=range(1, 17), min_drafts=rng.choice([0, 8]),
+                                 request_drafts=rng.choice([0, 8, 32]))
     batch = rng.choice([1, 3, 4, 7, 16])
     requests = [fake_request([rng.random() ** 0.5] * 3 + [rng.random()], drafts=rng.randint(0, 30), seed=seed * 100 + i)
                 for i in range(batch)]
