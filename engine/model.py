@@ -144,13 +144,54 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
+def can_pack(dtype, device) -> bool:
+    """Whether Linear.pack applies: bf16 on a CPU whose oneDNN runs bf16."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can also keep its weight in oneDNN's blocked layout (`pack`, bf16 on a CPU).
+
+    F.linear in bf16 on a CPU re-lays the weight out on every call; the packed weight skips that:
+    a 576 x 3072 layer streamed from memory takes about half the time (torch 2.13: 75-140 us
+    against 200-270 us at 2-16 rows on two cores; 145 against 265 us at one row on one core). One
+    row is sent as two (the same row twice): oneDNN's packed kernel for a single row is
+    pathologically slow (~26 ms). Grad mode uses the plain weight (the packed op has no backward).
+    Pack once the weights are final: the packed copy does not follow later changes to `weight`.
+    """
+
+    packed = None
+
+    def pack(self):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+
+    def forward(self, x):
+        if self.packed is None or torch.is_grad_enabled():
+            return super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        single = rows.shape[0] == 1
+        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if single else rows, self.packed, self.bias, "none", [], "")
+        return out[:1].view(*x.shape[:-1], -1) if single else out.view(*x.shape[:-1], -1)
+
+
+PACK_ROWS = 16  # the row count oneDNN lays packed weights out for
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Pack every Linear of a loaded model when can_pack applies to its weights; returns the model."""
+    for m in model.modules():
+        if isinstance(m, Linear) and can_pack(m.weight.dtype, m.weight.device):
+            m.pack()
+    return model
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.sizes = (q_size, kv_size, kv_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -175,8 +216,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -228,7 +269,7 @@ class TargetModel(CachedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if first else None
         self.layers = nn.ModuleList(Block(config) for _ in range(self.layer_start, self.layer_end))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if last else None
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False) if last else None
         if config.tie_word_embeddings and first and last:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
@@ -393,4 +434,4 @@ def load_target(path, dtype=torch.float32, device="cpu", layers: tuple[int, int]
     if missing:
         raise ValueError(f"checkpoint {path!s} lacks weights: {missing[:5]}")
     model.rotary = Rotary(config)
-    return model.to(device=device, dtype=dtype).eval()
+    return pack_linears(model.to(device=device, dtype=dtype).eval())
