@@ -161,20 +161,18 @@ class Linear(nn.Linear):
     """
 
     packed = None
+    pack_rows = 16  # the row count oneDNN lays the packed weight out for
 
     def pack(self):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.pack_rows)
 
     def forward(self, x):
         if self.packed is None or torch.is_grad_enabled():
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
-        single = rows.shape[0] == 1
-        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if single else rows, self.packed, self.bias, "none", [], "")
-        return out[:1].view(*x.shape[:-1], -1) if single else out.view(*x.shape[:-1], -1)
-
-
-PACK_ROWS = 16  # the row count oneDNN lays packed weights out for
+        n = rows.shape[0]
+        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if n == 1 else rows, self.packed, self.bias, "none", [], "")
+        return out[:n].view(*x.shape[:-1], -1)
 
 
 def pack_linears(model: nn.Module) -> nn.Module:
@@ -192,14 +190,14 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        self.sizes = (q_size, kv_size, kv_size)
+        self.qk_v_sizes = (q_size + kv_size, kv_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x, cos, sin, cache, layer, slots, write_pos, kv_len, mask):
         batch, q_len, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qk, v = self.qkv(x).split([self.sizes[0] + self.sizes[1], self.sizes[2]], dim=-1)
+        qk, v = self.qkv(x).split(self.qk_v_sizes, dim=-1)
         qk = qk.view(batch, q_len, heads + kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
