@@ -1,0 +1,89 @@
+"""Held-out tau against training CPU time for several drafter runs, side by side.
+
+    python scripts/train_curves.py --out docs/train/data-size \
+        "768 prompts=docs/train/main/evals.json" "3072 prompts=runs/data4x/log.jsonl"
+
+Each run is LABEL=PATH, PATH being a run's log.jsonl or an evals.json (its held-out evaluations).
+Writes curves.md (tau at common CPU-minutes, best tau and where, and (tau - 1) relative to the first
+run) and curves.png.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+
+def load_evals(path: Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in entries if e.get("eval")]
+    return json.loads(path.read_text())
+
+
+def tau_at(evals: list[dict], cpu_minutes: float) -> float | None:
+    """The last evaluation at or before that much CPU time (None if the run stopped before it)."""
+    if evals[-1]["cpu_seconds"] < cpu_minutes * 60 * 0.97:
+        return None
+    before = [e for e in evals if e["cpu_seconds"] <= cpu_minutes * 60 * 1.03]
+    return before[-1]["tau"] if before else None
+
+
+def write_table(runs: dict[str, list[dict]], points: list[float], path: Path):
+    first = next(iter(runs))
+    lines = ["Held-out greedy tau (block 16) after N process CPU-minutes of training "
+             "(the last evaluation at or before N).", "",
+             "| run | " + " | ".join(f"{p:g}" for p in points) + " | best tau (at CPU-min) |",
+             "|---|" + "---|" * (len(points) + 1)]
+    for label, evals in runs.items():
+        cells = []
+        for p in points:
+            t, t0 = tau_at(evals, p), tau_at(runs[first], p)
+            rel = f" ({(t - 1) / (t0 - 1):.2f}x)" if t and t0 and t0 > 1 and label != first else ""
+            cells.append("-" if t is None else f"{t:.3f}{rel}")
+        best = max(evals, key=lambda e: e["tau"])
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {best['tau']:.3f} ({best['cpu_seconds'] / 60:.0f}) |")
+    lines += ["", f"(In brackets: accepted drafts per step, tau - 1, relative to `{first}` at the same CPU time.)"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(runs: dict[str, list[dict]], path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, evals in runs.items():
+        ax.plot([e["cpu_seconds"] / 60 for e in evals], [e["tau"] for e in evals], marker="o", markersize=3, label=label)
+    ax.set(xlabel="process CPU-minutes of training", ylabel="held-out tau (greedy, block 16)", title="drafter training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", metavar="LABEL=PATH")
+    p.add_argument("--out", required=True, help="folder for curves.md and curves.png")
+    p.add_argument("--points", default="10,20,30,40,50,60,80,100,120", help="CPU-minutes to tabulate")
+    args = p.parse_args()
+    runs = {}
+    for spec in args.runs:
+        label, sep, path = spec.partition("=")
+        if not sep or not Path(path).is_file():
+            p.error(f"run {spec!r}: expected LABEL=PATH to a log.jsonl or evals.json that exists")
+        evals = load_evals(Path(path))
+        if not evals:
+            p.error(f"run {spec!r}: no held-out evaluations in {path}")
+        runs[label] = evals
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_table(runs, [float(x) for x in args.points.split(",")], out / "curves.md")
+    plot(runs, out / "curves.png")
+    print((out / "curves.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
