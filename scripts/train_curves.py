@@ -1,7 +1,7 @@
 """Held-out tau against training CPU time for several drafter runs, side by side.
 
     python scripts/train_curves.py --out docs/train/data-size \
-        "768 prompts=docs/train/main/evals.json" "3072 prompts=runs/data4x/log.jsonl"
+        "768 prompts=docs/train/main-768/evals.json" "3,072 prompts=docs/train/main/evals.json"
 
 Each run is LABEL=PATH, PATH being a run's log.jsonl or an evals.json (its held-out evaluations).
 Writes curves.md (tau at common CPU-minutes, best tau and where, and (tau - 1) relative to the first
