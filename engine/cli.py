@@ -60,7 +60,7 @@ TRAIN_HELP = {
     "anchors": "blocks per sequence per step",
     "seqs_per_step": "sequences per step",
     "cpu_minutes": "stop after this much process CPU time (the lr schedule follows it); 0 = use --steps",
-    "bf16": "bf16 autocast",
+    "bf16": "bf16 autocast (default: where the CPU has native bf16, AVX512-BF16 or AMX; elsewhere bf16 matmuls are emulated, ~20x slower)",
 }
 
 
@@ -160,7 +160,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         default, text = f.default, TRAIN_HELP.get(name)
         if name in ("data", "out"):
             tr.add_argument(flag(name), required=True, help=text)
-        elif isinstance(default, bool):
+        elif isinstance(default, bool) or name == "bf16":
             tr.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=default, help=text)
         elif name == "feature_layers":
             tr.add_argument(flag(name), type=comma_list(int), default=None, help=text)

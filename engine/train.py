@@ -324,9 +324,13 @@ class TrainConfig:
     eval_every: int = 200
     save_every: int = 100
     seed: int = 0
-    bf16: bool = True
+    bf16: bool | None = None  # None: bf16 autocast where bf16 matmuls are native (engine.loading.pick_dtype)
 
     def check(self):
+        if self.bf16 is None:
+            from engine.loading import pick_dtype
+
+            self.bf16 = pick_dtype("auto", "cpu") == torch.bfloat16
         for name in ("num_layers", "block_size", "anchors", "seqs_per_step", "steps", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
