@@ -145,8 +145,10 @@ class RMSNorm(nn.Module):
 
 
 def can_pack(dtype, device) -> bool:
-    """Whether Linear.pack applies: bf16 on a CPU whose oneDNN runs bf16."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """Whether Linear.pack applies: float32 on a CPU, or bf16 on a CPU whose oneDNN runs bf16."""
+    if torch.device(device).type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear(nn.Linear):
@@ -171,7 +173,8 @@ class Linear(nn.Linear):
             return super().forward(x)
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if n == 1 else rows, self.packed, self.bias, "none", [], "")
+        one_as_two = n == 1 and rows.dtype == torch.bfloat16
+        out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if one_as_two else rows, self.packed, self.bias, "none", [], "")
         return out[:n].view(*x.shape[:-1], -1)
 
 

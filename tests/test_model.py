@@ -255,16 +255,17 @@ def test_default_model_matches_transformers():
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-3, rtol=1e-3)
 
 
-def test_packed_bf16_linears_match_plain_ones(checkpoint):
-    """bf16 on a CPU, load_target packs the linear layers for oneDNN: a batch of 3 rows x 4 positions
-    gives the logits of the same model with packing off, within bf16 rounding; grad mode and one-row
-    inputs use the plain weights."""
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)], ids=["fp32", "bf16"])
+def test_packed_linears_match_plain_ones(checkpoint, dtype, tol):
+    """On a CPU, load_target packs the linear layers for oneDNN (float32, and bf16 where oneDNN runs it):
+    a batch of 3 rows x 4 positions gives the logits of the same model with packing off, within the
+    dtype's rounding; one-row inputs give F.linear's result; grad mode uses the plain weights."""
     from engine.model import Linear, can_pack
 
-    if not can_pack(torch.bfloat16, "cpu"):
-        pytest.skip("this CPU's oneDNN has no bf16")
-    packed = load_target(checkpoint[1], dtype=torch.bfloat16)
-    plain = load_target(checkpoint[1], dtype=torch.bfloat16)
+    if not can_pack(dtype, "cpu"):
+        pytest.skip(f"this CPU's oneDNN has no {dtype}")
+    packed = load_target(checkpoint[1], dtype=dtype)
+    plain = load_target(checkpoint[1], dtype=dtype)
     linears = [m for m in plain.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in packed.modules() if isinstance(m, Linear))
     for m in linears:
@@ -274,11 +275,12 @@ def test_packed_bf16_linears_match_plain_ones(checkpoint):
     with torch.inference_mode():
         a = packed(ids, positions, packed.new_cache(3, 8), [0, 1, 2], 4)[0]
         b = plain(ids, positions, plain.new_cache(3, 8), [0, 1, 2], 4)[0]
-    torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
     layer = next(m for m in packed.modules() if isinstance(m, Linear))
-    with torch.inference_mode():  # one row goes in as two
-        one = torch.randn(1, 1, layer.in_features, dtype=torch.bfloat16)
-        torch.testing.assert_close(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias))
-    x = torch.randn(2, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    with torch.inference_mode():  # bf16 sends one row as two
+        one = torch.randn(1, 1, layer.in_features, dtype=dtype)
+        torch.testing.assert_close(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias),
+                                   atol=tol, rtol=tol)
+    x = torch.randn(2, layer.in_features, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # grad mode: the plain weight, with a backward
     assert x.grad is not None
