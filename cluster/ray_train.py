@@ -1,7 +1,8 @@
 """Data-parallel drafter training on Ray Train: the same `engine.train.train` loop in N workers
-(TorchTrainer, DDP over gloo on CPU). Each worker samples its own blocks; DDP averages the
-gradients, so every worker holds the same weights after each step. Rank 0 writes the
-checkpoint and the drafter into the run's --out folder (shared storage on a real cluster)."""
+(TorchTrainer, DDP: gloo on CPUs; with --device cuda one GPU per worker, NCCL). Each worker samples
+its own blocks; DDP averages the gradients, so every worker holds the same weights after each step.
+Rank 0 writes the checkpoint and the drafter into the run's --out folder (shared storage on a real
+cluster)."""
 
 import os
 from dataclasses import asdict
@@ -12,6 +13,7 @@ from engine.train import TrainConfig, train
 
 def worker_loop(config: dict):
     import ray.train
+    import ray.train.torch
     import torch
     from ray.train.torch import prepare_model
 
@@ -19,6 +21,8 @@ def worker_loop(config: dict):
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     cfg = TrainConfig(**config["cfg"])
+    if cfg.device.startswith("cuda"):
+        cfg.device = str(ray.train.torch.get_device())  # the GPU Ray gave this worker
 
     def report(metrics, out):
         checkpoint = ray.train.Checkpoint.from_directory(str(Path(out) / "drafter")) if rank == 0 else None
@@ -40,6 +44,7 @@ def train_distributed(cfg: TrainConfig, num_workers: int, threads_per_worker: in
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    use_gpu = cfg.device.startswith("cuda")
     if not ray.is_initialized():
         ray.init(address="local", num_cpus=num_workers * threads_per_worker, include_dashboard=False,
                  _node_ip_address="127.0.0.1")
@@ -49,7 +54,8 @@ def train_distributed(cfg: TrainConfig, num_workers: int, threads_per_worker: in
     trainer = TorchTrainer(
         worker_loop,
         train_loop_config={"cfg": asdict(cfg), "threads_per_worker": threads_per_worker, "dump_weights": dump_weights},
-        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=False, resources_per_worker={"CPU": threads_per_worker}),
+        scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=use_gpu,
+                                     resources_per_worker={"CPU": threads_per_worker, **({"GPU": 1} if use_gpu else {})}),
         run_config=RunConfig(name="train", storage_path=str(out / "ray")),
     )
     result = trainer.fit()

@@ -60,6 +60,7 @@ TRAIN_HELP = {
     "anchors": "blocks per sequence per step",
     "seqs_per_step": "sequences per step",
     "cpu_minutes": "stop after this much process CPU time (the lr schedule follows it); 0 = use --steps",
+    "device": "cpu or cuda[:N] (the data stays in host memory)",
     "bf16": "bf16 autocast (default: where the CPU has native bf16, AVX512-BF16 or AMX; elsewhere bf16 matmuls are emulated, ~20x slower)",
 }
 

@@ -9,6 +9,7 @@ and optionally restricted to the most frequent tokens (a cheaper head during tra
 Embedding and LM head are the target's, frozen.
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -118,6 +119,10 @@ class Batch:
     soft_logp: torch.Tensor  # [N, B-1, k]
     spans: list[tuple[int, int, int, int]]  # per sequence: c_lo, c_hi, b_lo, b_hi (in blocks)
 
+    def to(self, device) -> "Batch":
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
+                                            for f in dataclasses.fields(self) if f.name != "spans"})
+
 
 def make_batch(sequences: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int) -> Batch:
     ctx_f, ctx_p, ids, pos, labels, s_ids, s_logp, spans = [], [], [], [], [], [], [], []
@@ -200,7 +205,7 @@ def sequence_mask(batch: Batch, i: int, b: int) -> torch.Tensor:
     c_lo, c_hi, b_lo, b_hi = batch.spans[i]
     anchor = batch.block_pos[b_lo:b_hi, 0].repeat_interleave(b)  # [rows]
     ctx_ok = batch.ctx_pos[c_lo:c_hi][None] < anchor[:, None]
-    block_of = torch.arange(b_hi - b_lo).repeat_interleave(b)
+    block_of = torch.arange(b_hi - b_lo, device=anchor.device).repeat_interleave(b)
     return torch.cat([ctx_ok, block_of[:, None] == block_of[None]], 1)
 
 
@@ -242,13 +247,14 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_
     and tau when the drafter may only propose `vocab_ids` (a reduced head), if given."""
     drafter.eval()
     b = cfg.block_size
-    accepted, accepted_reduced, reached = [], [], torch.zeros(b - 1)
+    device = head.device
+    accepted, accepted_reduced, reached = [], [], torch.zeros(b - 1, device=device)
     blocks = 0
     for s in data.sequences:
         a = eval_anchors(s, b, stride)
         if len(a) == 0:
             continue
-        batch = make_batch([s], [a], b, drafter.config.mask_token_id)
+        batch = make_batch([s], [a], b, drafter.config.mask_token_id).to(device)
         with autocast(cfg):
             hidden = train_forward(drafter, embed, batch, feature_scale)
         hidden = hidden[:, 1:].to(head.dtype)
@@ -262,14 +268,14 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_
         if blocks >= max_blocks:
             break
     drafter.train()
-    result = {"tau": 1 + torch.cat(accepted).float().mean().item(), "acceptance_per_pos": (reached / blocks).tolist()}
+    result = {"tau": 1 + torch.cat(accepted).float().mean().item(), "acceptance_per_pos": (reached / blocks).cpu().tolist()}
     if vocab_ids is not None:
         result["tau_reduced_head"] = 1 + torch.cat(accepted_reduced).float().mean().item()
     return result
 
 
 def autocast(cfg):
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16)
+    return torch.autocast(torch.device(cfg.device).type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 
 # ---- initialisation ---------------------------------------------------------------------------------
@@ -325,12 +331,14 @@ class TrainConfig:
     save_every: int = 100
     seed: int = 0
     bf16: bool | None = None  # None: bf16 autocast where bf16 matmuls are native (engine.loading.pick_dtype)
+    device: str = "cpu"  # cpu or cuda[:N]; the data stays in host memory, each step's batch is moved
 
     def check(self):
-        if self.bf16 is None:
-            from engine.loading import pick_dtype
+        from engine.loading import check_device, pick_dtype
 
-            self.bf16 = pick_dtype("auto", "cpu") == torch.bfloat16
+        check_device(self.device)
+        if self.bf16 is None:
+            self.bf16 = pick_dtype("auto", self.device) == torch.bfloat16
         for name in ("num_layers", "block_size", "anchors", "seqs_per_step", "steps", "eval_every", "save_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -362,9 +370,9 @@ def folded_drafter(drafter: Drafter, feature_scale) -> Drafter:
     """A copy whose fc reads raw features: fc(x / s) == (W / s) x keeps the z-lab format."""
     import copy
 
-    out = copy.deepcopy(drafter)
+    out = copy.deepcopy(drafter).cpu()
     if feature_scale is not None and feature_scale.numel():
-        out.fc.weight.data /= feature_scale[None].to(out.fc.weight.dtype)
+        out.fc.weight.data /= feature_scale[None].to("cpu", out.fc.weight.dtype)
     return out
 
 
@@ -396,16 +404,18 @@ def setup(cfg: TrainConfig):
     if cfg.init == "target":
         last = target.config.num_layers
         init_from_target(drafter, target, list(range(last - cfg.num_layers, last)))
-    scale = data.feature_scale() if cfg.feature_norm else torch.zeros(0)
-    embed = target.embed_tokens.weight.detach().to(torch.bfloat16 if cfg.bf16 else torch.float32)
-    head = target.lm_head.weight.detach().to(embed.dtype)
+    device = torch.device(cfg.device)
+    drafter.to(device)
+    scale = (data.feature_scale() if cfg.feature_norm else torch.zeros(0)).to(device)
+    embed = target.embed_tokens.weight.detach().to(device, torch.bfloat16 if cfg.bf16 else torch.float32)
+    head = target.lm_head.weight.detach().to(device, embed.dtype)
     vocab_map = None
     train_head = head
     if cfg.vocab_subset:
         keep = data.token_frequencies(dc.vocab_size).argsort(descending=True)[: cfg.vocab_subset]
-        vocab_map = torch.full((dc.vocab_size,), -1, dtype=torch.long)
-        vocab_map[keep] = torch.arange(len(keep))
-        train_head = head[keep]
+        vocab_map = torch.full((dc.vocab_size,), -1, dtype=torch.long, device=device)
+        vocab_map[keep] = torch.arange(len(keep), device=device)
+        train_head = head[keep.to(device)]
     return data, held_out, TrainModule(drafter, embed, scale), head, train_head, vocab_map
 
 
@@ -428,7 +438,7 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
     state = {"step": 0, "cpu_seconds": 0.0, "wall_seconds": 0.0, "blocks": 0}
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
     if ckpt_path.exists():
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = torch.load(ckpt_path, weights_only=False, map_location="cpu")
         drafter.load_state_dict(ckpt["drafter"])
         optimizer.load_state_dict(ckpt["optimizer"])
         state = ckpt["state"]
@@ -437,7 +447,7 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
             (out / "log.jsonl").write_text("".join(l for l in lines if json.loads(l)["step"] <= state["step"]))
         generator.set_state(ckpt["generator"][rank] if rank < len(ckpt["generator"]) else ckpt["generator"][0])
     model = wrap(module) if wrap else module
-    weights = position_weights(cfg.block_size)
+    weights = position_weights(cfg.block_size).to(cfg.device)
     vocab_ids = None if vocab_map is None else (vocab_map >= 0).nonzero()[:, 0]
     log_path = out / "log.jsonl"
     scale = module.feature_scale if module.feature_scale.numel() else None
@@ -481,7 +491,7 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
         picks = torch.randint(len(data.sequences), (cfg.seqs_per_step,), generator=generator).tolist()
         seqs = [data.sequences[i] for i in picks]
         anchors = [sample_anchors(s, cfg.anchors, generator) for s in seqs]
-        batch = make_batch(seqs, anchors, cfg.block_size, drafter.config.mask_token_id)
+        batch = make_batch(seqs, anchors, cfg.block_size, drafter.config.mask_token_id).to(cfg.device)
         with autocast(cfg):
             hidden = model(batch)
             loss, accuracy = loss_and_accuracy(hidden, train_head, vocab_map, batch, weights, cfg.distill)

@@ -96,7 +96,6 @@ def data_dirs(tmp_path_factory):
     return root
 
 
-@pytest.mark.slow
 def test_bf16_autocast_by_default_only_where_bf16_is_native():
     """Emulated bf16 matmuls (an AVX2-only CPU) ran a training step 21x slower than float32 (31 s
     against 1.44 s): by default training autocasts to bf16 only where inference picks bf16 too."""
@@ -111,6 +110,7 @@ def test_bf16_autocast_by_default_only_where_bf16_is_native():
         assert explicit.bf16 is chosen
 
 
+@pytest.mark.slow
 def test_datagen_captures_the_targets_own_features_and_greedy_output(data_dirs):
     """Captured features equal a fresh target pass over the finished sequence, and each response
     is the target's greedy continuation (its top-1 guess at every position)."""
