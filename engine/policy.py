@@ -58,7 +58,7 @@ def _bracket(grid, x):
 
 
 # Bumped when the engine's step costs change: tables saved before are profiled again.
-COST_MODEL_VERSION = 3
+COST_MODEL_VERSION = 4
 
 PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) to RAG (~700-1000) prompts
 
