@@ -10,6 +10,7 @@ the drafter slot holds context entries for positions below num_cached - len(pend
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -242,6 +243,7 @@ class Engine:
         self._prefilled_last = False
         if not running:
             return []
+        start, context = time.perf_counter(), max(r.num_cached for r in running)
         block_sizes = self.policy.choose(running, [self._block_cap(r) for r in running])
         draft = self.draft(running, block_sizes)
         num_accepted, next_ids, features = self.verify(running, draft)
@@ -250,7 +252,9 @@ class Engine:
             r.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
             self.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
             self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
-        return self._finish_step(running, committed)
+        outputs = self._finish_step(running, committed)
+        self.policy.observe_step(len(running), max(draft.block_sizes), context, time.perf_counter() - start)
+        return outputs
 
     def _block_cap(self, r: Request) -> int:
         """The largest block this request may verify: its own block size and its remaining budget."""

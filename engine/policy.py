@@ -34,6 +34,9 @@ class BlockPolicy:
     def choose(self, requests, caps: list[int]) -> list[int]:
         raise NotImplementedError
 
+    def observe_step(self, batch: int, block: int, context: int, seconds: float):
+        """The engine's wall time of a decode step it ran with this policy's choice (ignored by default)."""
+
 
 class FixedBlockPolicy(BlockPolicy):
     def __init__(self, block_size: int):
@@ -246,6 +249,8 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float) -> 
 
 
 MAX_EXPLORE_BACKOFF = 16
+CALIBRATION_WEIGHT = 32  # steps: how long a block's real / profiled cost ratio remembers
+CALIBRATION_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a stall, a page fault)
 
 
 class AdaptiveBlockPolicy(BlockPolicy):
@@ -265,6 +270,12 @@ class AdaptiveBlockPolicy(BlockPolicy):
       drafts. 32, not 8: at a pooled acceptance of ~0.2, 8 unlucky drafts sent a third of the steps
       of one-at-a-time traffic to block 1, 1-2% below the best fixed block; with 32 it is at or above
       it (scripts/policy_ab.py).
+    Step costs are the CostModel's, calibrated online: the engine reports each decode step's wall
+    time (`observe_step`), and the policy keeps, per block size, a running mean of real / profiled
+    seconds (CALIBRATION_WEIGHT steps' memory); a block never run borrows the mean of the others. The
+    profile times the models alone, so it missed what a real step adds (on an AVX2 host in float32,
+    batch 1, chat: block 1 ran 11% over its profile, blocks 2 and 4 5% and 12% under it, and the
+    policy chose block 1 too often: 0.97-0.98x the best fixed block in `dflash-serve bench`).
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
     the smallest block > 1 in `block_sizes`; while probes find nothing worth drafting the interval
@@ -286,6 +297,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
         self._steps_at_1 = 0
         self._explore_interval = explore_every
         self.last_choice: tuple[int, float] = (1, 0.0)  # last step: (block, best expected tokens/s)
+        self.cost_ratio: dict[int, tuple[float, int]] = {}  # block -> (mean real / profiled seconds, steps seen)
 
     @classmethod
     def profile(cls, target, drafter, max_block_size=16, max_batch_size=16, path=None, prior=0.5, min_drafts=8,
@@ -341,7 +353,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
         best, best_rate = 1, -1.0
         for b in self.block_sizes:
             sizes = [min(b, cap) for cap in caps]
-            seconds = self.cost_model.cost(len(caps), max(sizes), context)
+            seconds = self.step_cost(len(caps), max(sizes), context)
             rate = sum(e[s - 1] for e, s in zip(expected, sizes)) / seconds
             if rate > best_rate:
                 best, best_rate = b, rate
@@ -356,6 +368,20 @@ class AdaptiveBlockPolicy(BlockPolicy):
                 self._explore_interval = min(2 * self._explore_interval, MAX_EXPLORE_BACKOFF * self.explore_every)
         self.last_choice = (best, best_rate)
         return [min(best, cap) for cap in caps]
+
+    def step_cost(self, batch: int, block: int, context: int | None) -> float:
+        """Seconds the policy expects a step to take: the profiled cost times the block's calibration."""
+        if block in self.cost_ratio:
+            ratio = self.cost_ratio[block][0]
+        else:
+            ratio = statistics.mean(r for r, _ in self.cost_ratio.values()) if self.cost_ratio else 1.0
+        return self.cost_model.cost(batch, block, context) * ratio
+
+    def observe_step(self, batch: int, block: int, context: int, seconds: float):
+        ratio = min(max(seconds / self.cost_model.cost(batch, block, context), CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
+        mean, n = self.cost_ratio.get(block, (ratio, 0))
+        n = min(n + 1, CALIBRATION_WEIGHT)
+        self.cost_ratio[block] = (mean + (ratio - mean) / n, n)
 
     def _update_pool(self, requests):
         """Add each request's new drafts (since the last step) to the pool; forget gone requests."""
