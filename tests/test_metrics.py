@@ -100,7 +100,10 @@ def prometheus(serve_cluster, tmp_path_factory):
     discovery = folder / "prom_metrics_service_discovery.json"
     discovery.write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [f"127.0.0.1:{p}" for p in ports]}]))
     config = yaml.safe_load((ROOT / "cluster" / "prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = "1s"
+    # Not faster: a scrape times out after one interval, and late in a test session the agent serves the
+    # series of every deployment the session ran (counters are never dropped); CI saw every scrape of a
+    # 1 s interval fail there (up == 0 throughout), standalone they take milliseconds.
+    config["global"]["scrape_interval"] = config["global"]["scrape_timeout"] = "5s"
     (job,) = config["scrape_configs"]
     job["file_sd_configs"][0]["files"] = [str(discovery)]
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -166,11 +169,15 @@ def load_run(serve_cluster, repeat_drafter, prometheus):
 
 
 def _wait_for(url: str, query: str, ok, what: str, timeout_s: float = 120) -> float | None:
-    """Poll a PromQL query until ok(value): Ray's agents export every few seconds, Prometheus scrapes every 1 s."""
+    """Poll a PromQL query until ok(value): Ray's agents export every 10 s, Prometheus scrapes every 5 s.
+    On a timeout the message says how Prometheus's scrapes of the agents went."""
     deadline = time.monotonic() + timeout_s
     value = scalar(url, query)
     while not ok(value):
-        assert time.monotonic() < deadline, f"{what}: {query} = {value} after {timeout_s:.0f} s"
+        if time.monotonic() >= deadline:
+            targets = httpx.get(f"{url}/api/v1/targets", timeout=30).json()["data"]["activeTargets"]
+            scrapes = [(t["scrapeUrl"], t["health"], t["lastError"], t["lastScrapeDuration"]) for t in targets]
+            raise AssertionError(f"{what}: {query} = {value} after {timeout_s:.0f} s; scrapes: {scrapes}")
         time.sleep(1)
         value = scalar(url, query)
     return value
