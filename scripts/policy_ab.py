@@ -1,6 +1,6 @@
 """Block policies side by side at one request at a time, in one process (no server, less noise than a
 load test): fixed blocks and the adaptive policy at several `request_drafts`, on the load test's chat and
-RAG prompts, 64 greedy tokens each, the variants interleaved prompt by prompt (one torch thread, bf16,
+RAG prompts, 64 greedy tokens each, the variants interleaved prompt by prompt (one torch thread, --dtype,
 the default drafter). Prints tok/s and mean acceptance length per variant and each adaptive variant's
 tok/s over the best fixed block's.
 
@@ -30,9 +30,10 @@ def main():
     ap.add_argument("--request-drafts", default="8,32", help="comma list of AdaptiveBlockPolicy request_drafts")
     ap.add_argument("--max-block", type=int, default=8)
     ap.add_argument("--cost-table", help="a saved CostModel to use (default: profile one, ~25 s)")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or auto (bf16 where it is native)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    loaded = load(None, "default", "bfloat16", "cpu")
+    loaded = load(None, "default", args.dtype, "cpu")
 
     rag = rag_items(Retriever(stdlib_passages()), args.prompts, random.Random(SEED))
     texts = {"chat": [c[0] for c in chat_conversations()[: args.prompts]], "rag": [r["prompt"] for r in rag]}
