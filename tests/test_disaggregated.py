@@ -207,7 +207,7 @@ def test_adaptive_drafter_learns_from_the_verifier_and_stays_exact(serve_cluster
             router = out.usage.model_extra["spec_decoding"]
             seen = {b: n - before["block_sizes"].get(b, 0) for b, n in after["block_sizes"].items()}
             steps = sum(router["block_sizes"].values())
-            assert sum(seen.values()) == steps - 1 and set(seen) <= {1, 2, 4}
+            assert sum(seen.values()) == steps - 1 and set(seen) <= {1, 2, 3, 4}  # 3: a block cut by max_tokens
             assert after["num_accepted_tokens"] - before["num_accepted_tokens"] <= router["num_accepted_tokens"]
     finally:
         serve.delete("dflash-disagg-adaptive")

@@ -100,10 +100,14 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
             assert lat["TTFT"]["count"] >= cell["requests"], where  # a request cut at the bound may have a TTFT
             assert 0 < lat["TTFT"]["p50"] <= lat["E2E"]["p99"], where
             assert 0 < lat["TPOT"]["p50"] <= lat["TPOT"]["p90"], where
+            drafted = any(int(block) > 1 and n for block, n in cell["block_sizes"].items())
             if variant == "ar":
-                assert cell["mean_acceptance_length"] is None and set(cell["block_sizes"]) <= {"1"}, where
-            else:
+                assert set(cell["block_sizes"]) <= {"1"}, where
+            # The adaptive policy may choose block 1 for every step (slow drafter, short answers): no drafts then.
+            if drafted:
                 assert cell["mean_acceptance_length"] >= 1, where
+            else:
+                assert cell["mean_acceptance_length"] is None and variant != "b2", where
             if variant == "b2":
                 assert set(cell["block_sizes"]) <= {"1", "2"} and cell["block_sizes"].get("2"), where
             if scenario == "agent":
