@@ -174,6 +174,16 @@ class _MirrorReplica:
         await self._on_engine(setattr, self, "_fault", ("crash", num_calls))
 
 
+def pad_rows(rows) -> torch.Tensor | None:
+    """Rows of different lengths [n_i] as one [len(rows), max n_i] tensor, zeros after each row (None if any is None)."""
+    if any(row is None for row in rows):
+        return None
+    out = torch.zeros(len(rows), max(len(row) for row in rows))
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
 def _rng_state(r: Request, name: str) -> torch.Tensor | None:
     generator = getattr(r, name)
     return None if generator is None else generator.get_state()
@@ -362,18 +372,21 @@ class DrafterReplica(_MirrorReplica):
         if not rows:
             return results
         requests = [mirrors[i] for i in rows]
+        answered = [(i, r) for i, r in zip(rows, requests) if starts[i] is None and getattr(r, "last_draft", None)]
+        if answered:  # the verifier kept all but the bonus token of each request's last block
+            drafted_sizes, verified_sizes, confidence = zip(*(r.last_draft for _, r in answered))
+            last = DraftBlock(None, None, list(drafted_sizes), pad_rows(confidence))
+            self.engine.observe([r for _, r in answered], last, list(verified_sizes), [len(new_ids[i]) - 1 for i, _ in answered])
         for i, r in zip(rows, requests):
-            if starts[i] is None and hasattr(r, "last_block"):  # the verifier kept all but the bonus token
-                for stats in (r.stats, self.engine.stats):
-                    stats.observe_draft(r.last_block - 1, len(new_ids[i]) - 1)
             r.output_ids += new_ids[i]
             self.engine._commit(r, features[i].shape[0], features[i].to(self.engine.device))
         block_sizes = self.engine.policy.choose(requests, [self.engine._block_cap(r) for r in requests])
-        for r, b in zip(requests, block_sizes):
-            r.last_block = b  # what the next call's new tokens answer (the adaptive policy learns from it)
-        draft = self.engine.draft(requests, block_sizes)
+        drafted = self.engine.draft(requests, block_sizes)
+        draft = self.engine.trim(requests, drafted)
         for j, (i, r) in enumerate(zip(rows, requests)):
-            b = block_sizes[j]
+            b = draft.block_sizes[j]
+            confidence = None if drafted.confidence is None else drafted.confidence[j, : block_sizes[j] - 1].cpu()
+            r.last_draft = (block_sizes[j], b, confidence)  # what the next call's new tokens answer
             probs = None
             if draft.draft_probs is not None and r.params.temperature > 0:
                 probs = draft.draft_probs[j, : b - 1].float().cpu().clone()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.drafter import draft_logits, reduced_head
+from engine.drafter import DraftHead
 from engine.policy import BlockPolicy, FixedBlockPolicy
 from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
 from engine.stats import SpecStats
@@ -124,6 +124,17 @@ class DraftBlock:
     block_ids: torch.Tensor  # [batch, b_max] long: last token then drafts (padding past block_sizes)
     draft_probs: torch.Tensor | None  # [batch, b_max - 1, vocab] for sampling rows, else None
     block_sizes: list[int]
+    # [batch, b_max - 1] float: the peak probability of each drafted position's distribution (a
+    # function of the drafter's output only, never of a sampled token), or None
+    confidence: torch.Tensor | None = None
+
+    def trimmed(self, block_sizes: list[int]) -> "DraftBlock":
+        """The same drafts, each row verifying only its first block_sizes[i] <= self.block_sizes[i] positions."""
+        if block_sizes == self.block_sizes:
+            return self
+        b_max = max(block_sizes)
+        return DraftBlock(self.block_ids[:, :b_max], None if self.draft_probs is None else self.draft_probs[:, : b_max - 1],
+                          block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1])
 
 
 class Engine:
@@ -166,7 +177,7 @@ class Engine:
         self.denoising_steps = denoising_steps
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
         # only an engine that drafts reads the LM head here (a sharded target has none in this process)
-        self.draft_head, self.draft_vocab = (None, None) if vocab is None else reduced_head(target.lm_head, vocab)
+        self.draft_head = DraftHead(target.lm_head, vocab) if drafter is not None else None
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -245,16 +256,36 @@ class Engine:
             return []
         start, context = time.perf_counter(), max(r.num_cached for r in running)
         block_sizes = self.policy.choose(running, [self._block_cap(r) for r in running])
-        draft = self.draft(running, block_sizes)
+        drafted = self.draft(running, block_sizes)
+        draft = self.trim(running, drafted)
         num_accepted, next_ids, features = self.verify(running, draft)
         committed = [ids[: a + 1] for ids, a in zip(next_ids, num_accepted)]
+        self.observe(running, drafted, draft.block_sizes, num_accepted)
         for i, r in enumerate(running):
-            r.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
-            self.stats.observe_draft(draft.block_sizes[i] - 1, num_accepted[i])
             self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
         outputs = self._finish_step(running, committed)
-        self.policy.observe_step(len(running), max(draft.block_sizes), context, time.perf_counter() - start)
+        self.policy.observe_step(len(running), max(drafted.block_sizes), context, time.perf_counter() - start,
+                                 verified=sum(draft.block_sizes) / len(running))
         return outputs
+
+    def trim(self, requests: list[Request], drafted: DraftBlock) -> DraftBlock:
+        """The drafted block cut to what the policy wants verified, from the drafts' confidence.
+        Not with sampling after several denoising passes: a redrafted position's distribution then
+        depends on the other positions' sampled tokens, and so would the cut."""
+        if drafted.confidence is None or max(drafted.block_sizes) == 1:
+            return drafted
+        if self.denoising_steps > 1 and any(r.params.temperature > 0 for r in requests):
+            return drafted
+        sizes = self.policy.trim(requests, drafted.block_sizes, drafted.confidence, max(r.num_cached for r in requests))
+        return drafted.trimmed(sizes)
+
+    def observe(self, requests: list[Request], drafted: DraftBlock, verified_sizes: list[int], num_accepted: list[int]):
+        """Record a verified step: the speculative stats (verified drafts only) and, for the policy, what was drafted."""
+        for i, r in enumerate(requests):
+            r.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i])
+            self.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i])
+        if drafted.confidence is not None:
+            self.policy.observe_verified(requests, drafted.block_sizes, verified_sizes, drafted.confidence, num_accepted)
 
     def _block_cap(self, r: Request) -> int:
         """The largest block this request may verify: its own block size and its remaining budget."""
@@ -314,8 +345,8 @@ class Engine:
                 block_ids[:, 1:] = torch.where(remask, mask_id, drafts)
                 ctx, positions = ctx[:, :0], positions[:, -b_max:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
-            logits = self._draft_logits(hidden[:, 1:])  # [batch, b_max - 1, vocab]
-            ids, q, conf = self._propose(requests, logits, sampling)
+            scores = self.draft_head.scores(hidden[:, 1:])  # [batch, b_max - 1, draft vocabulary]
+            ids, q, conf = self._propose(requests, scores, sampling)
             if step == 0:
                 drafts, probs, confidence = ids, q, conf
             else:
@@ -326,10 +357,7 @@ class Engine:
         for r in requests:
             self.draft_cache.crop(r.draft_slot, r.num_cached)
             r.pending_features = None
-        return DraftBlock(block_ids, probs, block_sizes)
-
-    def _draft_logits(self, hidden):
-        return draft_logits(hidden.to(self.target.dtype), self.target.lm_head, self.draft_head, self.draft_vocab)
+        return DraftBlock(block_ids, probs, block_sizes, confidence)
 
     @property
     def target_features_dim(self):
@@ -343,17 +371,22 @@ class Engine:
         num = (sizes - 1) >> step
         return ranks < num
 
-    def _propose(self, requests, logits, sampling):
-        """Draft ids [batch, n] and, for sampling rows, the distributions they were drawn from."""
-        greedy_ids = logits.argmax(dim=-1)
-        # the drafter's confidence only decides what to re-mask between denoising passes
-        confidence = logits.softmax(dim=-1).amax(dim=-1) if self.denoising_steps > 1 else None
+    def _propose(self, requests, scores, sampling):
+        """From the draft head's scores [batch, n, head vocabulary]: draft ids [batch, n], the
+        distributions of sampling rows over the whole vocabulary [batch, n, vocab] (or None), and
+        each position's confidence [batch, n], the peak of the distribution it is drafted from
+        (for a greedy row, the probability of its argmax)."""
+        head = self.draft_head
+        greedy = scores.argmax(dim=-1)
+        confidence = scores.softmax(dim=-1).amax(dim=-1)
         if not any(sampling):
-            return greedy_ids, None, confidence
-        probs = self._probs(requests, logits)
+            return head.ids(greedy), None, confidence
+        probs = self._probs(requests, scores)  # the reduced head's -inf elsewhere: zero there
         sampled = sample(probs, [r.draft_generator for r in requests])
-        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], sampled, greedy_ids)
-        return ids, probs, confidence
+        rows = torch.tensor(sampling, device=self.device)[:, None]
+        ids = torch.where(rows, head.ids(sampled), head.ids(greedy))
+        confidence = torch.where(rows, probs.amax(dim=-1), confidence)
+        return ids, head.to_vocab(probs, self.target.config.vocab_size), confidence
 
     @torch.inference_mode()
     def verify(self, requests: list[Request], draft: DraftBlock):

@@ -13,7 +13,7 @@ import torch
 
 from engine.default_model import MASK_TOKEN_ID, resolve_model_path
 from engine.drafter import Drafter, DrafterConfig, check_drafter_fits, load_drafter
-from engine.model import SUPPORTED_MODEL_TYPES, load_target, read_hf_config
+from engine.model import SUPPORTED_MODEL_TYPES, Linear, load_target, pack_linears, read_hf_config
 
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_DRAFTER = CHECKPOINTS / "smollm2-135m-dflash"
@@ -54,6 +54,9 @@ def random_drafter(target_config, seed=0, num_layers=1, block_size=16) -> Drafte
 def quantize_int8(drafter: Drafter) -> Drafter:
     """Dynamic int8 quantisation of the drafter's linear layers (CPU, float32 activations)."""
     drafter = drafter.float()
+    for m in drafter.modules():
+        if isinstance(m, Linear):
+            m.__class__, m.packed = torch.nn.Linear, None  # quantize_dynamic replaces exact nn.Linear types only
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.ao.quantization.quantize_dynamic(drafter, {torch.nn.Linear}, dtype=torch.qint8)
@@ -108,6 +111,6 @@ def load(target=None, draft="default", dtype="auto", device="cpu", int8_drafter=
         drafter, name = load_drafter(draft), str(draft)
     if drafter is not None:
         check_drafter_fits(drafter.config, target_model.config)
-        drafter = quantize_int8(drafter) if int8_drafter else drafter.to(device=device, dtype=torch_dtype).eval()
+        drafter = quantize_int8(drafter) if int8_drafter else pack_linears(drafter.to(device=device, dtype=torch_dtype).eval())
     tokenizer = load_tokenizer(target_path)
     return Loaded(target_model, drafter, tokenizer, target_path, name, torch_dtype)

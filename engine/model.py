@@ -186,6 +186,41 @@ def pack_linears(model: nn.Module) -> nn.Module:
     return model
 
 
+# A batch is run ragged (its linear layers on real rows only) when padding is at least this share of it.
+RAGGED_MIN_PADDING = 0.125
+
+
+class Ragged:
+    """Where a padded batch's real rows are, for running its linear layers on those rows only.
+
+    Attention needs the padded [batch, q] layout (per-row positions and slots); the projections,
+    MLP and LM head do not, and on a CPU they cost in proportion to the rows they get. Rows of a
+    verify step whose blocks differ in size (or a prefill of prompts of different lengths) then
+    cost what their real tokens cost, not the longest row's times the batch.
+    """
+
+    def __init__(self, batch: int, q_len: int, index: torch.Tensor):
+        self.batch, self.q_len, self.index = batch, q_len, index  # index [n] into the flattened [batch * q]
+
+    @classmethod
+    def of(cls, positions) -> "Ragged | None":
+        """The layout of a batch with padding (positions -1), or None when padding is too little to pay."""
+        real = (positions >= 0).flatten()
+        num_real = int(real.sum())
+        if num_real > (1 - RAGGED_MIN_PADDING) * real.numel():
+            return None
+        return cls(*positions.shape, real.nonzero().squeeze(1))
+
+    def pack(self, x):
+        """[batch, q, ...] -> [n, ...] (the real rows)."""
+        return x.reshape(self.batch * self.q_len, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x):
+        """[n, ...] -> [batch, q, ...], zeros at padding."""
+        out = x.new_zeros(self.batch * self.q_len, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.q_len, *x.shape[1:])
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -197,10 +232,14 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x, cos, sin, cache, layer, slots, write_pos, kv_len, mask):
-        batch, q_len, _ = x.shape
+    def forward(self, x, cos, sin, cache, layer, slots, write_pos, kv_len, mask, ragged=None):
+        """x [batch, q, hidden], or [n, hidden] real rows with `ragged` their layout."""
+        qkv = self.qkv(x)
+        if ragged is not None:
+            qkv = ragged.unpack(qkv)
+        batch, q_len, _ = qkv.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qk, v = self.qkv(x).split(self.qk_v_sizes, dim=-1)
+        qk, v = qkv.split(self.qk_v_sizes, dim=-1)
         qk = qk.view(batch, q_len, heads + kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
@@ -210,8 +249,8 @@ class Attention(nn.Module):
         slot_ids, read_index = slots
         cache.write(layer, slot_ids, write_pos, k, v)
         keys, values = cache.read(layer, read_index, kv_len)
-        out = attention(q, keys, values, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        out = attention(q, keys, values, mask).transpose(1, 2).reshape(batch, q_len, -1)
+        return self.o_proj(out if ragged is None else ragged.pack(out))
 
 
 class MLP(nn.Module):
@@ -301,22 +340,26 @@ class TargetModel(CachedModel):
         and {layer id: output [batch, q, hidden]} for the feature_layers among its layers
         """
         x = inputs if self.embed_tokens is None else self.embed_tokens(inputs)
+        ragged = Ragged.of(positions)
         rope_pos = positions.clamp_min(0)
         write_pos = torch.where(positions >= 0, positions, cache.max_len)
         cos, sin = self.rotary(rope_pos, x.dtype)
         slots = cache.batch_index(slots)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = None if is_prefix_prefill(positions, kv_len) else (key_pos <= rope_pos[..., None])[:, None]
+        unpack = (lambda t: t) if ragged is None else ragged.unpack
+        x = x if ragged is None else ragged.pack(x)  # [n, hidden]: real rows only
         features = {}
         for i, layer in enumerate(self.layers):  # cache layer i holds model layer layer_start + i
-            x = layer(x, cos, sin, cache, i, slots, write_pos, kv_len, mask)
+            x = layer(x, cos, sin, cache, i, slots, write_pos, kv_len, mask, ragged)
             if self.layer_start + i in feature_layers:
-                features[self.layer_start + i] = x
+                features[self.layer_start + i] = unpack(x)
         if self.lm_head is None:
-            return x, features
+            return unpack(x), features
         if logits_index is not None:
-            x = x.gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self.norm(x)).float(), features
+            x = unpack(x).gather(1, logits_index[..., None].expand(-1, -1, x.shape[-1]))
+            return self.lm_head(self.norm(x)).float(), features
+        return unpack(self.lm_head(self.norm(x)).float()), features
 
 
 def is_prefix_prefill(positions, kv_len) -> bool:

@@ -6,9 +6,11 @@ per request. Block b = positions verified in a step: the last committed token + 
 is a plain autoregressive step with no drafter call.
 
 - FixedBlockPolicy: the same block for every request, clipped to its cap.
-- AdaptiveBlockPolicy: maximises expected committed tokens per second. It owns per-request
-  acceptance estimates (read from the requests' stats) and an engine-wide pooled estimate that new
-  requests start from; it knows the hardware only through a CostModel.
+- AdaptiveBlockPolicy: maximises expected committed tokens per second, twice a step: before
+  drafting it picks how many positions to draft (from per-request acceptance estimates and an
+  engine-wide pooled one that new requests start from), and after drafting it picks how many of
+  them each request verifies (`trim`, from each draft's confidence, calibrated online against
+  what the target accepted). It knows the hardware only through a CostModel.
 - CostModel: measured seconds per engine step by (batch size, block size). `CostModel.profile` is
   the only code here that touches models: it times real forwards through the engine's model
   interface (TargetModel, Drafter) on scratch KV caches.
@@ -21,21 +23,35 @@ import bisect
 import json
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from engine.drafter import draft_logits, reduced_head
+from engine.drafter import DraftHead
 from engine.sampling import verify_greedy
 
 
 class BlockPolicy:
     def choose(self, requests, caps: list[int]) -> list[int]:
+        """How many positions each request drafts (its block: last token + drafts), at most its cap."""
         raise NotImplementedError
 
-    def observe_step(self, batch: int, block: int, context: int, seconds: float):
-        """The engine's wall time of a decode step it ran with this policy's choice (ignored by default)."""
+    def trim(self, requests, block_sizes: list[int], confidence, context: int) -> list[int]:
+        """How many of its drafted block's positions each request verifies, given each draft's
+        confidence [batch, max(block_sizes) - 1] (the peak of its draft distribution) and the
+        longest row's cached positions. Deciding from the drafter's distributions alone, never from a
+        sampled token, keeps sampling lossless. Default: verify everything drafted."""
+        return list(block_sizes)
+
+    def observe_verified(self, requests, block_sizes: list[int], verified_sizes: list[int], confidence,
+                         num_accepted: list[int]):
+        """What the target accepted of each request's verified drafts (ignored by default)."""
+
+    def observe_step(self, batch: int, block: int, context: int, seconds: float, verified: float | None = None):
+        """The engine's wall time of a decode step it ran with this policy's choice: `block` drafted,
+        `verified` positions per row on average (None: all of the block). Ignored by default."""
 
 
 class FixedBlockPolicy(BlockPolicy):
@@ -61,7 +77,7 @@ def _bracket(grid, x):
 
 
 # Bumped when the engine's step costs change: tables saved before are profiled again.
-COST_MODEL_VERSION = 4
+COST_MODEL_VERSION = 5
 
 PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) to RAG (~700-1000) prompts
 
@@ -69,7 +85,7 @@ PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) 
 @dataclass
 class CostModel:
     """Seconds per engine step (drafter pass + target verify) on a (batch size, block size) grid,
-    measured at one or more context lengths.
+    measured at one or more context lengths; `draft_seconds` (same shape) is the drafter's share.
 
     Between and past grid points the cost is piecewise linear in batch and in block (bilinear in a
     cell, extended linearly along the last segment past the largest sizes), and piecewise linear in
@@ -83,6 +99,7 @@ class CostModel:
     seconds: list  # [len(contexts)][len(batch_sizes)][len(block_sizes)]; one [batch][block] table is accepted
     meta: dict = field(default_factory=dict)  # what was profiled: models, dtype, device
     contexts: list[int] = field(default_factory=lambda: [256])  # ascending; cached positions per row of each table
+    draft_seconds: list | None = None  # as `seconds`: the drafter pass alone (None: zeros, all is verify)
 
     def __post_init__(self):
         self.batch_sizes, self.block_sizes = [int(b) for b in self.batch_sizes], [int(b) for b in self.block_sizes]
@@ -91,24 +108,39 @@ class CostModel:
             values = getattr(self, name)
             if not values or values != sorted(set(values)):
                 raise ValueError(f"{name} must be strictly ascending and not empty")
-        if self.seconds and self.seconds[0] and not isinstance(self.seconds[0][0], (list, tuple)):
-            self.seconds = [self.seconds]  # one table
         shape = (len(self.contexts), len(self.batch_sizes), len(self.block_sizes))
-        if len(self.seconds) != shape[0] or any(len(t) != shape[1] or any(len(r) != shape[2] for r in t)
-                                                for t in self.seconds):
+        self.seconds = self._tables(self.seconds, shape)
+        self.draft_seconds = self._tables(self.draft_seconds or [[[0.0] * shape[2]] * shape[1]] * shape[0], shape)
+
+    @staticmethod
+    def _tables(tables, shape):
+        if tables and tables[0] and not isinstance(tables[0][0], (list, tuple)):
+            tables = [tables]  # one table
+        if len(tables) != shape[0] or any(len(t) != shape[1] or any(len(r) != shape[2] for r in t) for t in tables):
             raise ValueError(f"seconds must be a {' x '.join(map(str, shape))} table (contexts x batch x block)")
-        self.seconds = [[[float(x) for x in row] for row in table] for table in self.seconds]
+        return [[[float(x) for x in row] for row in table] for table in tables]
 
     def cost(self, batch: int, block: int, context: int | None = None) -> float:
         """Seconds for one step of `batch` requests padded to `block` positions, after `context`
         cached positions (the longest row's; None: the first measured context)."""
-        lookup = lambda k: self._lookup(self.seconds[k], batch, block)
+        return max(self._interpolate(self.seconds, batch, block, context), 1e-9)
+
+    def draft_cost(self, batch: int, block: int, context: int | None = None) -> float:
+        """The drafter's share of cost(): one drafter pass over `block` positions."""
+        return max(self._interpolate(self.draft_seconds, batch, block, context), 0.0)
+
+    def verify_cost(self, batch: int, block: float, context: int | None = None) -> float:
+        """The target's share of cost(); `block` may be fractional: a ragged batch verifying that many
+        positions per row on average (the target's linear layers run on real rows only)."""
+        return max(self.cost(batch, block, context) - self.draft_cost(batch, block, context), 1e-9)
+
+    def _interpolate(self, tables, batch, block, context):
+        lookup = lambda k: self._lookup(tables[k], batch, block)
         if context is None or len(self.contexts) == 1:
-            return max(lookup(0), 1e-9)
+            return lookup(0)
         i, j, w = _bracket(self.contexts, context)
         low, high = lookup(i), lookup(j)
-        seconds = low + w * (high - low) if w <= 1 else high + (w - 1) * max(0.0, high - low)
-        return max(seconds, 1e-9)
+        return low + w * (high - low) if w <= 1 else high + (w - 1) * max(0.0, high - low)
 
     def _lookup(self, table, batch, block):
         i0, i1, u = _bracket(self.batch_sizes, batch)
@@ -144,8 +176,8 @@ class CostModel:
         Each step mirrors Engine.draft + Engine.verify on the greedy path: for b > 1 the drafter
         reads b context features (the most a step can leave pending) plus the block, then the
         target's LM head (only the drafter's draft vocabulary when it has one, as the engine does
-        by default) and argmax/confidence over the b - 1 drafts; then the target verifies the
-        b positions with the drafter's feature layers, and verify_greedy. Every row sits at
+        by default) and argmax/confidence over the b - 1 drafts (timed apart: `draft_seconds`); then
+        the target verifies the b positions with the drafter's feature layers, and verify_greedy. Every row sits at
         positions context..context+b-1 of a scratch cache (keys/values are zeros: attention costs
         the same whatever they hold). Python bookkeeping outside the models is not timed.
         Tables are not smoothed: real ones are not always monotone (bf16 on CPU: block 2 is
@@ -160,15 +192,16 @@ class CostModel:
         batch_sizes, block_sizes, contexts = sorted(set(batch_sizes)), sorted(set(block_sizes)), sorted(set(contexts))
         slots, max_len = max(batch_sizes), max(contexts) + max(block_sizes)
         caches = (target.new_cache(slots, max_len), drafter.new_cache(slots, max_len) if drafter is not None else None)
-        seconds = [[[_time_step(target, drafter, caches, n, b, ctx, repeats) for b in block_sizes]
-                    for n in batch_sizes] for ctx in contexts]
-        return cls(batch_sizes, block_sizes, seconds, describe(target, drafter), contexts)
+        steps = [[[[_fastest(step, target.device, repeats) for step in _scratch_step(target, drafter, caches, n, b, ctx)]
+                   for b in block_sizes] for n in batch_sizes] for ctx in contexts]  # [context][batch][block][draft, verify]
+        seconds = [[[d + v for d, v in row] for row in table] for table in steps]
+        draft_seconds = [[[d for d, _ in row] for row in table] for table in steps]
+        return cls(batch_sizes, block_sizes, seconds, describe(target, drafter), contexts, draft_seconds)
 
 
-def _time_step(target, drafter, caches, batch, block, context, repeats) -> float:
-    """Fastest seconds of one scratch step over `repeats`, after a warm-up (the first call of a shape allocates)."""
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    step = _scratch_step(target, drafter, caches, batch, block, context)
+def _fastest(step, device, repeats) -> float:
+    """Fastest seconds of `step` over `repeats`, after a warm-up (the first call of a shape allocates)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     step()
     times = []
     for _ in range(max(1, repeats)):
@@ -192,7 +225,7 @@ def describe(target, drafter) -> dict:
 
 
 def _scratch_step(target, drafter, caches, batch, block, context):
-    """A closure running one greedy engine step (draft + verify) of `batch` rows at `block`."""
+    """Two closures running one greedy engine step of `batch` rows at `block`: the draft, the verify."""
     device = target.device
     tcache, dcache = caches
     slots = torch.arange(batch, device=device)
@@ -206,17 +239,19 @@ def _scratch_step(target, drafter, caches, batch, block, context):
         ctx = torch.zeros(batch, block, features, dtype=drafter.dtype, device=device)  # [batch, c = block, features]
         draft_pos = (context - block + torch.arange(2 * block, device=device)).expand(batch, 2 * block)
         block_end = torch.full((batch,), context + block, device=device)
-        draft_head, draft_vocab = reduced_head(target.lm_head, getattr(drafter, "draft_vocab", None))
+        head = DraftHead(target.lm_head, getattr(drafter, "draft_vocab", None))
 
-    def step():
+    def draft():
         if block > 1:  # Engine.draft, one denoising pass
             hidden = drafter(ctx, target.embed_tokens(block_ids), draft_pos, dcache, slots, context + block, block_end)
-            logits = draft_logits(hidden[:, 1:].to(target.dtype), target.lm_head, draft_head, draft_vocab)
-            logits.argmax(dim=-1), logits.softmax(dim=-1).amax(dim=-1)
-        logits, _ = target(block_ids, positions, tcache, slots, context + block, feature_layers)  # Engine.verify
+            scores = head.scores(hidden[:, 1:])
+            head.ids(scores.argmax(dim=-1)), scores.softmax(dim=-1).amax(dim=-1)
+
+    def verify():
+        logits, _ = target(block_ids, positions, tcache, slots, context + block, feature_layers)
         verify_greedy(block_ids[:, 1:], logits, num_draft)
 
-    return step
+    return draft, verify
 
 
 # ---- adaptive policy ------------------------------------------------------------------------
@@ -248,34 +283,134 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float) -> 
     return out
 
 
+class ConfidenceCalibration:
+    """P(a draft is accepted | it was verified and reached, its confidence), learned online.
+
+    Counts per confidence bin, for greedy and sampled drafts apart (acceptance is an exact match for
+    one, probability min(1, p/q) for the other), shrunk towards the confidence itself (what a
+    calibrated drafter would give) with `prior_weight` drafts. A bin keeps at most `max_count` drafts'
+    worth of counts, so it follows a changing workload. Positions are pooled: for the default drafter
+    on held-out chat, acceptance by confidence bin was within noise of each other at positions 1 and 2
+    (0.04-0.84 over the bins at position 1; AUC of confidence for acceptance 0.79).
+    """
+
+    def __init__(self, num_bins=20, prior_weight=8.0, max_count=4096.0):
+        self.num_bins, self.prior_weight, self.max_count = num_bins, prior_weight, max_count
+        self.reached = torch.zeros(2 * num_bins, dtype=torch.float64)  # [greedy bins, sampled bins]
+        self.accepted = torch.zeros(2 * num_bins, dtype=torch.float64)
+        self.centers = ((torch.arange(num_bins, dtype=torch.float64) + 0.5) / num_bins).repeat(2)
+
+    def _bins(self, confidence, sampled):
+        """confidence [rows, n], sampled [rows] bool -> flat bin index [rows, n]."""
+        bins = (confidence.double() * self.num_bins).long().clamp(0, self.num_bins - 1)
+        return bins + self.num_bins * sampled.long()[:, None]
+
+    def table(self) -> torch.Tensor:
+        """Acceptance per bin [2 * num_bins] (greedy bins, then sampled)."""
+        return (self.accepted + self.prior_weight * self.centers) / (self.reached + self.prior_weight)
+
+    def acceptance(self, confidence, sampled) -> torch.Tensor:
+        """Calibrated acceptance [rows, n] (float64) of drafts with these confidences [rows, n]."""
+        return self.table()[self._bins(confidence.cpu(), sampled.cpu())]
+
+    def observe(self, confidence, sampled, num_verified, num_accepted):
+        """confidence [rows, n]; sampled [rows] bool; num_verified, num_accepted [rows] long: each row's
+        first num_verified drafts were verified and the first num_accepted of them held."""
+        confidence, sampled = confidence.cpu(), sampled.cpu()
+        pos = torch.arange(confidence.shape[1])
+        reached = pos < torch.minimum(num_accepted + 1, num_verified)[:, None]  # [rows, n]
+        accepted = pos < num_accepted[:, None]
+        bins = self._bins(confidence, sampled)
+        self.reached.index_add_(0, bins[reached], torch.ones(int(reached.sum()), dtype=torch.float64))
+        self.accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
+        scale = (self.max_count / self.reached.clamp_min(self.max_count)).clamp(max=1.0)
+        self.reached *= scale
+        self.accepted *= scale
+
+
+@dataclass
+class ExpectedAcceptance:
+    """Per draft position, how often a request's drafts were reached and accepted, counting the drafts
+    it did not verify (trimmed by `trim`) at their calibrated expectations: an estimate of what
+    verifying everything drafted would have given, which `choose` needs and the verified counts (biased
+    towards confident drafts once trimming runs) are not."""
+
+    reached_per_pos: list[float] = field(default_factory=list)
+    accepted_per_pos: list[float] = field(default_factory=list)
+
+    def add(self, reached: list[float], accepted: list[float]):
+        grow = len(reached) - len(self.reached_per_pos)
+        if grow > 0:
+            self.reached_per_pos += [0.0] * grow
+            self.accepted_per_pos += [0.0] * grow
+        for k, (n, a) in enumerate(zip(reached, accepted)):
+            self.reached_per_pos[k] += n
+            self.accepted_per_pos[k] += a
+
+
+def drafted_outcome(acceptance: list[float], num_verified: int, num_accepted: int) -> tuple[list[float], list[float]]:
+    """(reached, accepted) per drafted position of one block: observed where verified; past the
+    verified drafts, if all of them held, the calibrated expectation (a draft is reached with the
+    product of the acceptance of the unverified drafts before it)."""
+    reached = [1.0 if k <= num_accepted else 0.0 for k in range(num_verified)]
+    accepted = [1.0 if k < num_accepted else 0.0 for k in range(num_verified)]
+    reach = 1.0 if num_accepted == num_verified else 0.0
+    for a in acceptance[num_verified:]:
+        reached.append(reach)
+        reach *= a
+        accepted.append(reach)
+    return reached, accepted
+
+
+@dataclass
+class _Tracked:
+    """What the adaptive policy keeps of a request while it lives (a weak reference: never keeps it alive)."""
+
+    ref: weakref.ref
+    expected: ExpectedAcceptance | None = None
+    pooled: tuple[list, list] = ([], [])  # its (reached, accepted) counts already added to the pool
+
+
 MAX_EXPLORE_BACKOFF = 16
 CALIBRATION_WEIGHT = 32  # steps: how long a block's real / profiled cost ratio remembers
 CALIBRATION_BOUNDS = (0.25, 4.0)  # one step's ratio is clipped to these (a stall, a page fault)
 
 
 class AdaptiveBlockPolicy(BlockPolicy):
-    """Pick the block b that maximises sum_i E_i(min(b, cap_i)) / cost(batch, b) for the step.
+    """Maximise expected committed tokens per second, before drafting (`choose`) and after (`trim`).
 
-    One b for the whole step, each request getting min(b, cap_i): a padded batch costs as much as
-    its largest block, and E_i is non-decreasing in b, so a request never gains by verifying less
-    than the step's block (per-request sizes cannot beat this). The step's real block is
-    max_i min(b, cap_i) and that is what it is costed at.
+    choose: the draft block b maximising sum_i E_i(min(b, cap_i)) / cost(batch, b) for the step. One b
+    for the whole step, each request getting min(b, cap_i): a padded drafter pass costs as much as its
+    largest block, and E_i is non-decreasing in b. The step's real block is max_i min(b, cap_i) and
+    that is what it is costed at (drafter pass and verifying all of it: a lower bound on what drafting
+    b is worth, since `trim` only ever raises the step's rate).
 
-    Acceptance estimates (conditional, per draft position):
-    - engine-wide pool: the drafts of every request this policy has seen, shrunk towards `prior`
-      (a float, or one value per position) with weight `min_drafts`; it forgets old data by
-      keeping at most `pool_drafts` drafts' worth of counts (so it follows a changing workload).
-    - request i: its own SpecStats counts shrunk towards the pool with weight `request_drafts`: a
+    trim: with the drafts in hand, each draft's calibrated acceptance a_ik (ConfidenceCalibration of
+    its confidence) makes r_ik = a_i1 ... a_ik the chance that request i's drafts 1..k all hold. The
+    target runs a ragged batch (its linear layers on real rows only), so verifying m drafts in all
+    costs about verify_cost(batch, 1 + m / batch); the best m drafts are the m largest r_ik (r falls
+    along a row, so they are a prefix of each row), and m is the one maximising
+    (batch + their sum) / (drafter pass + verify cost). The drafter pass is spent either way; counting
+    it keeps m at the step's real rate. Under load this verifies the drafts likely to hold, of any
+    request, and skips the rest: what no fixed block can do.
+
+    Acceptance estimates for choose (conditional, per draft position):
+    - request i: what it drafted, counted as ExpectedAcceptance (verified drafts as observed, trimmed
+      ones at their calibrated expectation), shrunk towards the pool with weight `request_drafts`: a
       new request starts at the pool's estimate and its own data dominates after ~request_drafts
       drafts. 32, not 8: at a pooled acceptance of ~0.2, 8 unlucky drafts sent a third of the steps
       of one-at-a-time traffic to block 1, 1-2% below the best fixed block; with 32 it is at or above
-      it (scripts/policy_ab.py).
+      it (scripts/policy_ab.py). A request the policy has seen no verified draft of (a caller that
+      never reports them) is read from its SpecStats.
+    - engine-wide pool: every request's drafts, shrunk towards `prior` (a float, or one value per
+      position) with weight `min_drafts`; it forgets old data by keeping at most `pool_drafts` drafts'
+      worth of counts (so it follows a changing workload).
     Step costs are the CostModel's, calibrated online: the engine reports each decode step's wall
-    time (`observe_step`), and the policy keeps, per block size, a running mean of real / profiled
-    seconds (CALIBRATION_WEIGHT steps' memory); a block never run borrows the mean of the others. The
-    profile times the models alone, so it missed what a real step adds (on an AVX2 host in float32,
-    batch 1, chat: block 1 ran 11% over its profile, blocks 2 and 4 5% and 12% under it, and the
-    policy chose block 1 too often: 0.97-0.98x the best fixed block in `dflash-serve bench`).
+    time (`observe_step`), and the policy keeps, per drafted block size, a running mean of real /
+    profiled seconds (CALIBRATION_WEIGHT steps' memory); a block never run borrows the mean of the
+    others. The profile times the models alone, so it missed what a real step adds (on an AVX2 host in
+    float32, batch 1, chat: block 1 ran 11% over its profile, blocks 2 and 4 5% and 12% under it, and
+    the policy chose block 1 too often: 0.97-0.98x the best fixed block in `dflash-serve bench`).
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
     the smallest block > 1 in `block_sizes`; while probes find nothing worth drafting the interval
@@ -283,7 +418,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
     """
 
     def __init__(self, cost_model: CostModel, block_sizes=(1, 2, 4, 8, 16), prior=0.5, min_drafts=8,
-                 explore_every=16, pool_drafts=512, request_drafts=32):
+                 explore_every=16, pool_drafts=512, request_drafts=32, trim=True):
         self.cost_model = cost_model
         self.block_sizes = sorted(set(block_sizes) | {1})
         self.prior = prior
@@ -291,9 +426,11 @@ class AdaptiveBlockPolicy(BlockPolicy):
         self.explore_every = explore_every
         self.pool_drafts = pool_drafts
         self.request_drafts = request_drafts
+        self.trims = trim
+        self.calibration = ConfidenceCalibration()
         self.pool_reached: list[float] = []  # per draft position, decayed counts over all requests
         self.pool_accepted: list[float] = []
-        self._seen: dict[int, tuple] = {}  # id(stats) -> (stats, reached, accepted) at the last step
+        self._tracked: dict[int, _Tracked] = {}  # id(request) -> what the policy keeps of it, while it lives
         self._steps_at_1 = 0
         self._explore_interval = explore_every
         self.last_choice: tuple[int, float] = (1, 0.0)  # last step: (block, best expected tokens/s)
@@ -301,7 +438,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
 
     @classmethod
     def profile(cls, target, drafter, max_block_size=16, max_batch_size=16, path=None, prior=0.5, min_drafts=8,
-                explore_every=16, pool_drafts=512, request_drafts=32, **profile_kw) -> "AdaptiveBlockPolicy":
+                explore_every=16, pool_drafts=512, request_drafts=32, trim=True, **profile_kw) -> "AdaptiveBlockPolicy":
         """Profile a CostModel on these models and return the policy over its block sizes.
 
         Grids: 1, 2, 4, ... up to max_block_size / max_batch_size (or `block_sizes=`/`batch_sizes=`).
@@ -326,7 +463,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
             cost_model = CostModel.profile(target, drafter, batches, blocks, **profile_kw)
             if path is not None:
                 cost_model.save(path)
-        return cls(cost_model, blocks, prior, min_drafts, explore_every, pool_drafts, request_drafts)
+        return cls(cost_model, blocks, prior, min_drafts, explore_every, pool_drafts, request_drafts, trim)
 
     def pooled_acceptance(self, n: int) -> list[float]:
         """The engine-wide estimate at draft positions 1..n (what a new request starts from)."""
@@ -334,10 +471,24 @@ class AdaptiveBlockPolicy(BlockPolicy):
         base = [prior[min(k, len(prior) - 1)] for k in range(n)]
         return shrunk_acceptance(self.pool_accepted, self.pool_reached, base, self.min_drafts)
 
-    def acceptance(self, stats, n: int, pooled: list[float] | None = None) -> list[float]:
-        """Request estimate at draft positions 1..n."""
+    def evidence(self, request):
+        """A request's per-position counts: its ExpectedAcceptance once a verified draft was reported, else its SpecStats."""
+        tracked = self._track(request, create=False)
+        return tracked.expected if tracked is not None and tracked.expected is not None else request.stats
+
+    def _track(self, request, create=True) -> "_Tracked | None":
+        tracked = self._tracked.get(id(request))
+        if tracked is not None and tracked.ref() is not request:  # an id of a request that is gone, reused
+            tracked = None
+        if tracked is None and create:
+            tracked = self._tracked[id(request)] = _Tracked(weakref.ref(request))
+        return tracked
+
+    def acceptance(self, request, n: int, pooled: list[float] | None = None) -> list[float]:
+        """Request estimate at draft positions 1..n (a request, or counts with reached/accepted_per_pos)."""
+        counts = self.evidence(request) if hasattr(request, "stats") else request
         pooled = self.pooled_acceptance(n) if pooled is None else pooled[:n]
-        return shrunk_acceptance(stats.accepted_per_pos, stats.reached_per_pos, pooled, self.request_drafts)
+        return shrunk_acceptance(counts.accepted_per_pos, counts.reached_per_pos, pooled, self.request_drafts)
 
     def choose(self, requests, caps):
         if not caps:
@@ -346,10 +497,9 @@ class AdaptiveBlockPolicy(BlockPolicy):
         max_cap = max(caps)
         if max_cap == 1:
             return [1] * len(caps)
-        contexts = [getattr(r, "num_cached", None) for r in requests]
-        context = None if None in contexts else max(contexts)  # the longest row sets attention's width
+        context = self._context(requests)
         pooled = self.pooled_acceptance(max_cap - 1)
-        expected = [expected_tokens(self.acceptance(r.stats, cap - 1, pooled)) for r, cap in zip(requests, caps)]
+        expected = [expected_tokens(self.acceptance(r, cap - 1, pooled)) for r, cap in zip(requests, caps)]
         best, best_rate = 1, -1.0
         for b in self.block_sizes:
             sizes = [min(b, cap) for cap in caps]
@@ -369,35 +519,77 @@ class AdaptiveBlockPolicy(BlockPolicy):
         self.last_choice = (best, best_rate)
         return [min(best, cap) for cap in caps]
 
+    def trim(self, requests, block_sizes, confidence, context):
+        batch, block = len(requests), max(block_sizes)
+        if not self.trims or block == 1:
+            return list(block_sizes)
+        acceptance = self.calibration.acceptance(confidence[:, : block - 1], self._sampled(requests))  # [batch, block - 1]
+        drafted = torch.arange(block - 1) < torch.tensor(block_sizes)[:, None] - 1
+        reach = (acceptance * drafted).cumprod(dim=1)  # P(drafts 1..k of row i all hold)
+        order = reach.flatten().argsort(descending=True, stable=True)[: int(drafted.sum())]  # ties: earlier positions first
+        gains = torch.cat([torch.zeros(1, dtype=reach.dtype), reach.flatten()[order].cumsum(0)])  # [m + 1]
+        ratio = self._cost_ratio(block)
+        seconds = torch.tensor([self.cost_model.draft_cost(batch, block, context)
+                                + self.cost_model.verify_cost(batch, 1 + m / batch, context) for m in range(len(gains))])
+        num_best = int(((batch + gains) / (seconds * ratio)).argmax())
+        verified = torch.zeros(batch * (block - 1), dtype=torch.long)
+        verified[order[:num_best]] = 1
+        return [1 + int(n) for n in verified.view(batch, block - 1).sum(dim=1)]
+
+    def observe_verified(self, requests, block_sizes, verified_sizes, confidence, num_accepted):
+        block = max(block_sizes)
+        if block == 1:
+            return
+        confidence, sampled = confidence[:, : block - 1].cpu(), self._sampled(requests)
+        num_verified = torch.tensor(verified_sizes) - 1
+        self.calibration.observe(confidence, sampled, num_verified, torch.tensor(num_accepted))
+        acceptance = self.calibration.acceptance(confidence, sampled).tolist()
+        for i, r in enumerate(requests):
+            tracked = self._track(r)
+            if tracked.expected is None:
+                tracked.expected = ExpectedAcceptance()
+            tracked.expected.add(*drafted_outcome(acceptance[i][: block_sizes[i] - 1], verified_sizes[i] - 1, num_accepted[i]))
+
     def step_cost(self, batch: int, block: int, context: int | None) -> float:
         """Seconds the policy expects a step to take: the profiled cost times the block's calibration."""
-        if block in self.cost_ratio:
-            ratio = self.cost_ratio[block][0]
-        else:
-            ratio = statistics.mean(r for r, _ in self.cost_ratio.values()) if self.cost_ratio else 1.0
-        return self.cost_model.cost(batch, block, context) * ratio
+        return self.cost_model.cost(batch, block, context) * self._cost_ratio(block)
 
-    def observe_step(self, batch: int, block: int, context: int, seconds: float):
-        ratio = min(max(seconds / self.cost_model.cost(batch, block, context), CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
+    def _cost_ratio(self, block: int) -> float:
+        if block in self.cost_ratio:
+            return self.cost_ratio[block][0]
+        return statistics.mean(r for r, _ in self.cost_ratio.values()) if self.cost_ratio else 1.0
+
+    def observe_step(self, batch: int, block: int, context: int, seconds: float, verified: float | None = None):
+        profiled = self.cost_model.draft_cost(batch, block, context) + \
+            self.cost_model.verify_cost(batch, block if verified is None else verified, context)
+        ratio = min(max(seconds / profiled, CALIBRATION_BOUNDS[0]), CALIBRATION_BOUNDS[1])
         mean, n = self.cost_ratio.get(block, (ratio, 0))
         n = min(n + 1, CALIBRATION_WEIGHT)
         self.cost_ratio[block] = (mean + (ratio - mean) / n, n)
 
+    @staticmethod
+    def _sampled(requests) -> torch.Tensor:
+        return torch.tensor([r.params.temperature > 0 for r in requests])
+
+    @staticmethod
+    def _context(requests) -> int | None:
+        contexts = [getattr(r, "num_cached", None) for r in requests]
+        return None if None in contexts else max(contexts)  # the longest row sets attention's width
+
     def _update_pool(self, requests):
-        """Add each request's new drafts (since the last step) to the pool; forget gone requests."""
-        seen = {}
+        """Add each request's new drafts (since it was last in a step) to the pool; forget gone requests."""
+        self._tracked = {k: t for k, t in self._tracked.items() if t.ref() is not None}
         for r in requests:
-            s = r.stats
-            _, old_reached, old_accepted = self._seen.get(id(s), (None, [], []))
+            s, tracked = self.evidence(r), self._track(r)
             grow = len(s.reached_per_pos) - len(self.pool_reached)
             if grow > 0:
                 self.pool_reached += [0.0] * grow
                 self.pool_accepted += [0.0] * grow
+            old_reached, old_accepted = tracked.pooled
             for k, (n, a) in enumerate(zip(s.reached_per_pos, s.accepted_per_pos)):
                 self.pool_reached[k] += n - (old_reached[k] if k < len(old_reached) else 0)
                 self.pool_accepted[k] += a - (old_accepted[k] if k < len(old_accepted) else 0)
-            seen[id(s)] = (s, list(s.reached_per_pos), list(s.accepted_per_pos))  # holding s keeps its id unique
-        self._seen = seen
+            tracked.pooled = (list(s.reached_per_pos), list(s.accepted_per_pos))
         if self.pool_reached and self.pool_reached[0] > self.pool_drafts:
             scale = self.pool_drafts / self.pool_reached[0]
             self.pool_reached = [n * scale for n in self.pool_reached]

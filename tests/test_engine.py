@@ -13,6 +13,7 @@ import torch
 from engine.drafter import Drafter, DrafterConfig
 from engine.engine import DraftBlock, Engine, SamplingParams, prefill_group
 from engine.model import ModelConfig, TargetModel
+from engine.policy import FixedBlockPolicy
 
 TINY = ModelConfig(
     vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -114,7 +115,7 @@ def test_reduced_draft_head_proposes_only_its_vocabulary_and_stays_exact(tmp_pat
     ids = torch.cat([p[0].flatten() for p in proposed])
     assert set(ids.tolist()) <= {1, 3, 5}
     full = Engine(target, drafter, max_slots=4, reduced_draft_head=False)
-    assert full.draft_head is None
+    assert full.draft_head.draft_vocab is None and full.draft_head.size == TINY.vocab_size
     (tmp_path / "draft_vocab.json").write_text("[1, 99]")
     with pytest.raises(ValueError, match="draft_vocab.json: expected a non-empty list of token ids below 8"):
         load_drafter(tmp_path)
@@ -133,14 +134,31 @@ def exact_sequence_probs(target, prompt, length, probs_fn):
     return probs.gather(-1, seqs[..., None])[..., 0].prod(-1)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
-def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p):
-    """End to end: the first 3 tokens sampled by DFlash (random drafter) follow the target's law."""
+class ConfidenceCut(FixedBlockPolicy):
+    """Verifies a row's drafts while their confidence stays above 0.4: a trim decided from the draft
+    distributions alone, as AdaptiveBlockPolicy.trim's is, with a rule whose effect is easy to see."""
+
+    def trim(self, requests, block_sizes, confidence, context):
+        keep = (confidence > 0.4).long().cumprod(dim=1).sum(dim=1)
+        return [min(b, 1 + int(k)) for b, k in zip(block_sizes, keep)]
+
+
+class TokenPeekingEngine(Engine):
+    """A wrong trim, for the test to catch: it cuts each block before its first drafted token >= 3,
+    a decision that depends on the sampled tokens (the proposal is then no longer q)."""
+
+    def trim(self, requests, drafted):
+        drafts = drafted.block_ids[:, 1:]
+        keep = (drafts < 3).long().cumprod(dim=1).sum(dim=1)
+        return drafted.trimmed([min(b, 1 + int(k)) for b, k in zip(drafted.block_sizes, keep)])
+
+
+def sampled_sequences_fit_the_target(engine, temperature, top_k, top_p, num=3000):
+    """Whether the first 3 tokens sampled through `engine` (tiny target, 6-token vocabulary) follow the
+    target's law: a chi-square test at z = 4 (p ~ 3e-5). Returns (fits, chi2, threshold)."""
     from engine.sampling import sampling_probs
 
-    target, drafter = tiny_models(seed=2, vocab_size=6)
-    prompt, length, num = [1, 2, 3], 3, 3000
-    engine = Engine(target, drafter, max_slots=100)
+    prompt, length = [1, 2, 3], 3
     params = SamplingParams(max_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p, block_size=3)
     counts = torch.zeros(6**length)
     torch.manual_seed(0)
@@ -153,17 +171,39 @@ def test_speculative_sampling_matches_target_distribution(temperature, top_k, to
         n = logits.shape[0]
         return sampling_probs(logits, torch.full((n,), temperature), torch.full((n,), top_k), torch.full((n,), top_p))
 
-    expected = exact_sequence_probs(target, prompt, length, probs_fn) * num
-    assert counts[expected == 0].sum() == 0
+    expected = exact_sequence_probs(engine.target, prompt, length, probs_fn) * num
+    if counts[expected == 0].sum() > 0:
+        return False, math.inf, 0.0
     big = expected >= 5
-    chi2 = (((counts[big] - expected[big]) ** 2) / expected[big]).sum() + 0.0
+    chi2 = (((counts[big] - expected[big]) ** 2) / expected[big]).sum().item()
     rest_obs, rest_exp = counts[~big].sum(), expected[~big].sum()
     if rest_exp > 0:
-        chi2 += (rest_obs - rest_exp) ** 2 / rest_exp
+        chi2 += ((rest_obs - rest_exp) ** 2 / rest_exp).item()
     dof = int(big.sum()) + (1 if rest_exp > 0 else 0) - 1
-    # Wilson-Hilferty approximation of the chi-square quantile at z = 4 (p ~ 3e-5)
+    # Wilson-Hilferty approximation of the chi-square quantile at z = 4
     threshold = dof * (1 - 2 / (9 * dof) + 4 * math.sqrt(2 / (9 * dof))) ** 3
-    assert chi2 < threshold, (chi2, threshold)
+    return chi2 < threshold, chi2, threshold
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 5, 0.9)])
+@pytest.mark.parametrize("trim", [False, True], ids=["all-verified", "confidence-trim"])
+def test_speculative_sampling_matches_target_distribution(temperature, top_k, top_p, trim):
+    """End to end: the first 3 tokens sampled by DFlash (random drafter) follow the target's law, also
+    when each block is cut by its drafts' confidence before verification."""
+    target, drafter = tiny_models(seed=2, vocab_size=6)
+    engine = Engine(target, drafter, max_slots=100, policy=ConfidenceCut(3) if trim else None)
+    fits, chi2, threshold = sampled_sequences_fit_the_target(engine, temperature, top_k, top_p)
+    assert fits, (chi2, threshold)
+    if trim:
+        assert 1 < len(engine.stats.block_sizes)  # blocks were cut
+
+
+def test_a_trim_that_peeks_at_sampled_tokens_is_caught():
+    """The same test flags a trim decided from the sampled drafts themselves."""
+    target, drafter = tiny_models(seed=2, vocab_size=6)
+    engine = TokenPeekingEngine(target, drafter, max_slots=100)
+    fits, chi2, threshold = sampled_sequences_fit_the_target(engine, 1.0, 0, 1.0, num=10000)
+    assert not fits, (chi2, threshold)
 
 
 def test_seed_reproducible_alone_or_batched():

@@ -284,3 +284,35 @@ def test_packed_linears_match_plain_ones(checkpoint, dtype, tol):
     x = torch.randn(2, layer.in_features, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # grad mode: the plain weight, with a backward
     assert x.grad is not None
+
+
+def test_ragged_batch_equals_padded_batch(pair, monkeypatch):
+    """A batch with enough padding runs its linear layers on real rows only (engine.model.Ragged): logits and
+    features of real positions and the KV cache equal the padded run's (rows of 1-4 new tokens after
+    different prompts, as a verify step whose blocks were trimmed differently)."""
+    import engine.model as model_module
+
+    hf, model = pair
+    prompts = [tokens(n, 10 + n) for n in (9, 5, 12, 7)]
+    blocks = [tokens(n, 20 + n) for n in (4, 1, 2, 1)]
+    layers = (0, model.config.num_layers - 1)
+    runs = []
+    for min_padding in (0.125, 2.0):  # 2.0: never ragged
+        monkeypatch.setattr(model_module, "RAGGED_MIN_PADDING", min_padding)
+        cache = model.new_cache(4, 64)
+        slots = [cache.allocate() for _ in range(4)]
+        step(model, cache, slots, prompts, [0] * 4)
+        runs.append((*step(model, cache, slots, blocks, [len(p) for p in prompts], feature_layers=layers), cache))
+    (logits, features, cache), (padded_logits, padded_features, padded_cache) = runs
+    tol = 1e-5 if model.dtype == torch.float32 else 0.02
+    for i, block in enumerate(blocks):
+        n = len(block)
+        torch.testing.assert_close(logits[i, :n], padded_logits[i, :n], atol=tol * 10, rtol=tol)
+        torch.testing.assert_close(features[i, :n], padded_features[i, :n], atol=tol * 10, rtol=tol)
+        full = torch.cat([prompts[i], block])
+        assert_logits_match(logits[i, :n], hf_logits(hf, full)[-n:], model.dtype)
+    torch.testing.assert_close(cache.k[:, :, :, :-1], padded_cache.k[:, :, :, :-1], atol=tol * 10, rtol=tol)
+    monkeypatch.undo()
+    positions = torch.tensor([[5, 6, 7, -1], [3, 4, 5, 6]])
+    assert model_module.Ragged.of(positions) is not None  # 1 of 8 is padding
+    assert model_module.Ragged.of(torch.arange(16).view(2, 8)) is None

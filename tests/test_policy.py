@@ -23,6 +23,10 @@ def synthetic_cost(fixed_ms=20.0, per_token_ms=1.5, grid=GRID):
     return CostModel(grid, grid, [[(fixed_ms + per_token_ms * n * b) / 1e3 for b in grid] for n in grid])
 
 
+class FakeRequest(SimpleNamespace):
+    """A stand-in for engine.Request (the policy holds requests by weak reference)."""
+
+
 def fake_request(acceptance=None, drafts=200, block=16, seed=0):
     """A request whose stats hold `drafts` blocks drawn from true conditional `acceptance`."""
     stats, rng = SpecStats(), random.Random(seed)
@@ -31,7 +35,7 @@ def fake_request(acceptance=None, drafts=200, block=16, seed=0):
         while accepted < block - 1 and rng.random() < acceptance[min(accepted, len(acceptance) - 1)]:
             accepted += 1
         stats.observe_draft(block - 1, accepted)
-    return SimpleNamespace(stats=stats, params=SimpleNamespace(block_size=None))
+    return FakeRequest(stats=stats, params=SimpleNamespace(block_size=None, temperature=0.0))
 
 
 def rate(requests, caps, b, cost, policy):
@@ -248,12 +252,14 @@ def test_cost_model_save_load_round_trip(tmp_path):
     cost = synthetic_cost()
     cost.meta = {"device": "cpu"}
     cost.seconds.append([[t + 1e-6 * n * b for b, t in zip(GRID, row)] for n, row in zip(GRID, cost.seconds[0])])
+    cost.draft_seconds = [[[t / 4 for t in row] for row in table] for table in cost.seconds]
     cost.contexts = [32, 1024]
     cost.save(tmp_path / "cost.json")
     again = CostModel.load(tmp_path / "cost.json")
     assert again == cost
-    grid = itertools.product(range(1, 20), range(1, 20), [None, 10, 1000])
+    grid = list(itertools.product(range(1, 20), range(1, 20), [None, 10, 1000]))
     assert all(again.cost(n, b, c) == cost.cost(n, b, c) for n, b, c in grid)
+    assert all(again.draft_cost(n, b, c) == pytest.approx(cost.cost(n, b, c) / 4) for n, b, c in grid)
 
 
 def test_profile_on_tiny_models_plugs_into_the_engine(tmp_path):
@@ -298,3 +304,137 @@ def test_profile_default_model():
     assert cost.meta["dtype"] == str(loaded.target.dtype) and cost.contexts == [64, 512]
     # attention reads every cached position: 8 x more of them is a dearer step of 4 x 8 positions
     assert cost.cost(4, 8, context=512) > t48 and cost.cost(4, 8, context=2048) >= cost.cost(4, 8, context=512)
+
+
+# ---- confidence: calibration and trim ------------------------------------------------------------
+
+from engine.policy import ConfidenceCalibration, drafted_outcome  # noqa: E402
+
+
+def test_calibration_learns_acceptance_by_confidence_and_follows_a_change():
+    calibration = ConfidenceCalibration(num_bins=10, prior_weight=8, max_count=1000)
+    gen = torch.Generator().manual_seed(0)
+    greedy = torch.zeros(500, dtype=torch.bool)
+
+    def observe(truth, calls=40):
+        for _ in range(calls):
+            confidence = torch.rand(500, 3, generator=gen)
+            holds = torch.rand(500, 3, generator=gen) < truth(confidence)
+            num_accepted = (holds.long().cumprod(dim=1)).sum(dim=1)
+            calibration.observe(confidence, greedy, torch.full((500,), 3), num_accepted)
+
+    fresh = calibration.table()
+    assert torch.allclose(fresh, calibration.centers)  # no data: acceptance = confidence
+    observe(lambda c: c**2)
+    centers = calibration.centers[:10]
+    assert (calibration.table()[:10] - centers**2).abs().max() < 0.05
+    assert torch.equal(calibration.table()[10:], fresh[10:])  # sampled drafts: still the prior
+    observe(lambda c: 0.5 * torch.ones_like(c), calls=80)  # the workload changes: the counts forget
+    assert (calibration.table()[:10] - 0.5).abs().max() < 0.06
+    looked_up = calibration.acceptance(torch.tensor([[0.05, 0.95]]), torch.tensor([True]))
+    assert looked_up.tolist() == [[pytest.approx(0.05), pytest.approx(0.95)]]
+
+
+def test_drafted_outcome_counts_unverified_drafts_at_their_expectation():
+    # 2 of 4 drafts verified, both held: drafts 3 and 4 are reached with 1 and 0.5, accepted with 0.5 and 0.25
+    assert drafted_outcome([0.9, 0.9, 0.5, 0.5], 2, 2) == ([1, 1, 1, 0.5], [1, 1, 0.5, 0.25])
+    # a verified draft failed: nothing past it is reached
+    assert drafted_outcome([0.9, 0.9, 0.5, 0.5], 2, 1) == ([1, 1, 0, 0], [1, 0, 0, 0])
+    # nothing verified (trimmed to block 1): all expectations
+    assert drafted_outcome([0.5, 0.5], 0, 0) == ([1, 0.5], [0.5, 0.25])
+
+
+def ragged_cost(fixed_ms=20.0, per_token_ms=1.5, draft_ms=2.0, grid=GRID):
+    """synthetic_cost plus a drafter pass of draft_ms per step with drafts (its share of the table)."""
+    seconds = [[(fixed_ms + per_token_ms * n * b + (draft_ms if b > 1 else 0)) / 1e3 for b in grid] for n in grid]
+    draft = [[(draft_ms if b > 1 else 0) / 1e3 for b in grid] for _ in grid]
+    return CostModel(grid, grid, seconds, draft_seconds=draft)
+
+
+def brute_force_trim(policy, block_sizes, confidence, context=None):
+    """The verify sizes (one per row, each <= its block) maximising the trim's objective, by enumeration."""
+    n, cost = len(block_sizes), policy.cost_model
+    acceptance = policy.calibration.acceptance(confidence, torch.zeros(n, dtype=torch.bool)).tolist()
+    draft = cost.draft_cost(n, max(block_sizes), context)
+    best, best_rate = None, -1.0
+    for sizes in itertools.product(*[range(1, b + 1) for b in block_sizes]):
+        tokens = sum(expected_tokens(a[: s - 1])[-1] for a, s in zip(acceptance, sizes))
+        rate = tokens / (draft + cost.verify_cost(n, sum(sizes) / n, context))
+        if rate > best_rate + 1e-12:
+            best, best_rate = list(sizes), rate
+    return best, best_rate
+
+
+def test_trim_verifies_the_drafts_likely_to_hold():
+    sure, unsure = [0.97] * 3, [0.05] * 3
+    confidence = torch.tensor([sure, unsure])
+    steep = AdaptiveBlockPolicy(ragged_cost(fixed_ms=20, per_token_ms=6))
+    assert steep.trim([fake_request(), fake_request()], [4, 4], confidence, None) == [4, 1]
+    flat = AdaptiveBlockPolicy(ragged_cost(per_token_ms=0))  # verifying is free: everything
+    assert flat.trim([fake_request(), fake_request()], [4, 4], confidence, None) == [4, 4]
+    dear = AdaptiveBlockPolicy(ragged_cost(fixed_ms=5, per_token_ms=400))
+    assert dear.trim([fake_request(), fake_request()], [4, 4], confidence, None) == [1, 1]
+    off = AdaptiveBlockPolicy(ragged_cost(fixed_ms=5, per_token_ms=400), trim=False)
+    assert off.trim([fake_request(), fake_request()], [4, 4], confidence, None) == [4, 4]
+    assert steep.trim([fake_request(), fake_request()], [2, 4], confidence, None)[0] <= 2  # never past the block
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_trim_maximises_its_objective(seed):
+    rng = random.Random(seed)
+    policy = AdaptiveBlockPolicy(ragged_cost(fixed_ms=rng.uniform(5, 50), per_token_ms=rng.uniform(0.1, 10),
+                                             draft_ms=rng.uniform(0, 10)))
+    n = rng.choice([1, 2, 3])
+    block_sizes = [rng.choice([1, 2, 3, 4]) for _ in range(n)]
+    confidence = torch.tensor([[rng.random() for _ in range(3)] for _ in range(n)])
+    sizes = policy.trim([fake_request() for _ in range(n)], block_sizes, confidence, None)
+    best, best_rate = brute_force_trim(policy, block_sizes, confidence)
+    acceptance = policy.calibration.acceptance(confidence, torch.zeros(n, dtype=torch.bool)).tolist()
+    tokens = sum(expected_tokens(a[: s - 1])[-1] for a, s in zip(acceptance, sizes))
+    cost = policy.cost_model
+    rate = tokens / (cost.draft_cost(n, max(block_sizes)) + cost.verify_cost(n, sum(sizes) / n))
+    assert rate == pytest.approx(best_rate, rel=1e-9), (sizes, best)
+
+
+def simulate_with_confidence(policy, batch, cost, per_phase=32, max_tokens=64, seed=0):
+    """As simulate(), but each draft comes with a confidence c and holds with probability c (a calibrated
+    drafter): easy requests draw c from Beta(4, 1), hard ones from Beta(1, 3). The policy trims what it
+    verifies; a step costs the drafter pass plus a ragged verify of what was verified: tokens/s."""
+    gen = torch.Generator().manual_seed(seed)
+    queue = ["easy"] * per_phase + ["hard"] * per_phase
+    running, tokens, seconds = [], 0, 0.0
+    while queue or running:
+        while queue and len(running) < batch:
+            r = fake_request()
+            r.kind, r.done = queue.pop(0), 0
+            running.append(r)
+        caps = [max(1, min(16, max_tokens - r.done + 1)) for r in running]
+        sizes = policy.choose(running, caps)
+        block = max(sizes)
+        alpha = torch.tensor([[4.0, 1.0] if r.kind == "easy" else [1.0, 3.0] for r in running])
+        confidence = torch.distributions.Beta(alpha[:, :1], alpha[:, 1:]).sample((15,)).squeeze(-1).T  # [n, 15]
+        confidence = confidence[:, : max(block - 1, 1)]
+        verified = policy.trim(running, sizes, confidence, None)
+        holds = torch.rand(confidence.shape, generator=gen) < confidence
+        accepted = [min(int(h.long().cumprod(0).sum()), v - 1) for h, v in zip(holds, verified)]
+        policy.observe_verified(running, sizes, verified, confidence, accepted)
+        seconds += cost.draft_cost(len(running), block) + cost.verify_cost(len(running), sum(verified) / len(running))
+        for r, v, a in zip(running, verified, accepted):
+            r.stats.observe_draft(v - 1, a)
+            new = min(a + 1, max_tokens - r.done)
+            r.done, tokens = r.done + new, tokens + new
+        running = [r for r in running if r.done < max_tokens]
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_trimming_beats_every_fixed_block_and_no_trimming_in_simulation(batch, capsys):
+    torch.manual_seed(0)
+    cost = ragged_cost(fixed_ms=20, per_token_ms=1.5, draft_ms=3)
+    trimmed = simulate_with_confidence(AdaptiveBlockPolicy(cost), batch, cost)
+    untrimmed = simulate_with_confidence(AdaptiveBlockPolicy(cost, trim=False), batch, cost)
+    fixed = {b: simulate_with_confidence(FixedBlockPolicy(b), batch, cost) for b in GRID}
+    with capsys.disabled():
+        print(f"\nbatch {batch:2d}: adaptive+trim {trimmed:6.1f} tok/s, adaptive {untrimmed:6.1f}; fixed "
+              + ", ".join(f"{b}: {t:.1f}" for b, t in fixed.items()))
+    assert trimmed > untrimmed and all(trimmed > t for t in fixed.values())
