@@ -53,7 +53,7 @@ TRAIN_HELP = {
     "num_layers": "draft layers",
     "mask_token_id": "mask token id (default: 16 for SmolLM2)",
     "feature_layers": "target layers the drafter reads (default: all the data has)",
-    "init": "random, or target: draft layers start as copies of the target's last layers",
+    "init": "random; target: draft layers start as copies of the target's last layers; or a drafter folder to go on training (its weights and draft vocabulary)",
     "feature_norm": "divide features by their per-channel RMS (folded into fc when saving)",
     "vocab_subset": "train the head over the N most frequent tokens only; 0 = all",
     "distill": "weight of the target's top-k distribution in the loss",
@@ -145,6 +145,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     dg.add_argument("--split", default="train", choices=("train", "held-out"))
     dg.add_argument("--sources", type=comma_list(str), default=["sharegpt", "code"], help="comma list of sharegpt, code")
     dg.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
+    dg.add_argument("--skip-prompts", type=int, default=0, help="start after the split's first N prompts (more data than an earlier folder)")
     dg.add_argument("--max-new-tokens", type=int, default=256)
     dg.add_argument("--batch-size", type=int, default=32, help="requests decoded together")
     dg.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position (for distillation)")
@@ -415,7 +416,7 @@ def cmd_datagen(args):
     datagen.generate_data(
         loaded, args.out, num_prompts=args.num_prompts, split=args.split, sources=args.sources,
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, top_k=args.top_k, feature_layers=args.feature_layers,
+        batch_size=args.batch_size, top_k=args.top_k, feature_layers=args.feature_layers, skip_prompts=args.skip_prompts,
     )
 
 

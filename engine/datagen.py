@@ -177,8 +177,10 @@ def pack_shard(requests, engine: CaptureEngine) -> dict:
 
 
 def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCES, max_prompt_tokens=256,
-                  max_new_tokens=256, batch_size=32, top_k=8, feature_layers=None, quiet=False):
-    """Regenerate responses for `num_prompts` prompts into `out_dir`; resumes a partial folder."""
+                  max_new_tokens=256, batch_size=32, top_k=8, feature_layers=None, skip_prompts=0, quiet=False):
+    """Regenerate responses for `num_prompts` prompts into `out_dir`; resumes a partial folder.
+    skip_prompts: start after that many prompts (of the split, within max_prompt_tokens): more data
+    that an earlier folder made with the same settings does not hold."""
     from engine.drafter import default_target_layer_ids
     from engine.loading import stop_token_ids
 
@@ -189,6 +191,7 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
         "target": str(loaded.target_path), "split": split, "sources": list(sources),
         "feature_layers": feature_layers, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
         "max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_prompts": num_prompts,
+        "skip_prompts": skip_prompts,
     }
     meta_path = out / "meta.json"
     if meta_path.exists():
@@ -204,8 +207,9 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
         ids = ids if isinstance(ids, list) else ids["input_ids"]
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
-        if len(prompts) == num_prompts:
+        if len(prompts) == skip_prompts + num_prompts:
             break
+    prompts = prompts[skip_prompts:]
     shards = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     done = len(list(out.glob("shard-*.pt")))
     engine = CaptureEngine(

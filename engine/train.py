@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.drafter import Drafter, DrafterConfig, save_drafter
+from engine.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
 from engine.model import apply_rotary
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -315,7 +315,7 @@ class TrainConfig:
     block_size: int = 16
     mask_token_id: int | None = None  # None: the default model's (16)
     feature_layers: list[int] | None = None  # None: every layer the data has
-    init: str = "random"  # random | target
+    init: str = "random"  # random | target | a drafter folder (go on training it)
     feature_norm: bool = False
     vocab_subset: int = 0  # train the head over the N most frequent tokens only (0: all)
     distill: float = 0.0  # weight of the target's top-k distribution in the loss
@@ -344,8 +344,10 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise ValueError("--block-size must be >= 2")
-        if self.init not in ("random", "target"):
-            raise ValueError(f"--init must be random or target, got {self.init!r}")
+        if self.init not in ("random", "target") and not (Path(self.init) / "config.json").exists():
+            raise ValueError(f"--init must be random, target or a drafter folder (with config.json), got {self.init!r}")
+        if self.feature_norm and self.init not in ("random", "target"):
+            raise ValueError("--feature-norm with --init DRAFTER: a saved drafter's fc already reads raw features")
         if not 0 <= self.distill <= 1:
             raise ValueError(f"--distill must be in [0, 1], got {self.distill}")
         if self.lr <= 0:
@@ -376,6 +378,23 @@ def folded_drafter(drafter: Drafter, feature_scale) -> Drafter:
     return out
 
 
+def init_from_drafter(drafter: Drafter, cfg: TrainConfig) -> torch.Tensor | None:
+    """Start from a saved drafter's weights (to go on training it on more data); returns its draft
+    vocabulary, which the head then trains over (None: the whole vocabulary)."""
+    saved = load_drafter(cfg.init)
+    fields = ("num_layers", "block_size", "mask_token_id", "target_layer_ids", "hidden_size")
+    theirs, ours = ({f: getattr(c, f) for f in fields} for c in (saved.config, drafter.config))
+    if theirs != ours:
+        raise ValueError(f"--init {cfg.init}: that drafter ({theirs}) does not match this run's ({ours}); "
+                         "set --num-layers, --block-size, --mask-token-id and --feature-layers to match")
+    vocab = saved.draft_vocab
+    if cfg.vocab_subset and (vocab is None or len(vocab) != cfg.vocab_subset):
+        raise ValueError(f"--vocab-subset {cfg.vocab_subset}: the drafter in --init {cfg.init} has "
+                         f"{'no draft vocabulary' if vocab is None else f'a draft vocabulary of {len(vocab)}'}")
+    drafter.load_state_dict(saved.state_dict())
+    return vocab
+
+
 def schedule(cfg: TrainConfig, progress: float) -> float:
     """Linear warm-up then cosine decay to 10% of the peak, over progress in [0, 1]."""
     if progress < cfg.warmup:
@@ -401,9 +420,12 @@ def setup(cfg: TrainConfig):
     )
     drafter = Drafter(dc)
     check_drafter_fits(dc, target.config)
+    keep = None  # the draft vocabulary the head is trained over
     if cfg.init == "target":
         last = target.config.num_layers
         init_from_target(drafter, target, list(range(last - cfg.num_layers, last)))
+    elif cfg.init != "random":
+        keep = init_from_drafter(drafter, cfg)
     device = torch.device(cfg.device)
     drafter.to(device)
     scale = (data.feature_scale() if cfg.feature_norm else torch.zeros(0)).to(device)
@@ -411,8 +433,10 @@ def setup(cfg: TrainConfig):
     head = target.lm_head.weight.detach().to(device, embed.dtype)
     vocab_map = None
     train_head = head
-    if cfg.vocab_subset:
+    if cfg.vocab_subset and keep is None:
         keep = data.token_frequencies(dc.vocab_size).argsort(descending=True)[: cfg.vocab_subset]
+    if keep is not None:
+        keep = keep.to(device)
         vocab_map = torch.full((dc.vocab_size,), -1, dtype=torch.long, device=device)
         vocab_map[keep] = torch.arange(len(keep), device=device)
         train_head = head[keep.to(device)]

@@ -28,6 +28,7 @@ from locust.exception import StopUser
 from loadtest.replies import parse_json_object
 
 SUMMARY: dict[str, dict] = {}
+_USERS_STARTED: Counter = Counter()  # scenario -> users started so far in this process
 
 
 @events.init_command_line_parser.add_listener
@@ -95,7 +96,10 @@ class OpenAIUser(User):
 
         options = self.environment.parsed_options
         self.options = options
-        self.rng = random.Random(f"{options.seed}/{self.scenario}/{id(self)}")
+        # the n-th user of a scenario replays the same traffic in every run: compared variants see the same prompts
+        index = _USERS_STARTED[self.scenario]
+        _USERS_STARTED[self.scenario] += 1
+        self.rng = random.Random(f"{options.seed}/{self.scenario}/{index}")
         self.data = json.loads(open(options.scenario_file).read())
         self.client = openai.OpenAI(base_url=self.host.rstrip("/") + "/v1", api_key="loadtest",
                                     timeout=options.request_timeout, max_retries=0)

@@ -1,14 +1,16 @@
-"""Block policies side by side at one request at a time, in one process (no server, less noise than a
-load test): fixed blocks and the adaptive policy at several `request_drafts`, on the load test's chat and
-RAG prompts, 64 greedy tokens each, the variants interleaved prompt by prompt (one torch thread, --dtype,
-the default drafter). Prints tok/s and mean acceptance length per variant and each adaptive variant's
-tok/s over the best fixed block's.
+"""Block policies side by side in one process (no server, less noise than a load test): fixed blocks and
+the adaptive policy with and without its confidence trim, on the load test's chat and RAG prompts, 64
+greedy tokens each, `--batch` requests at a time, the variants interleaved group by group, after an
+untimed warm-up pass in which the policies learn (one torch thread, --dtype, the default drafter). Prints tok/s and mean acceptance length per variant and each
+adaptive variant's tok/s over the best fixed block's; --json writes them.
 
-    .venv/bin/python scripts/policy_ab.py --prompts 8 --request-drafts 8,32,128
+    .venv/bin/python scripts/policy_ab.py --prompts 8 --batch 1,4 --repeats 2
 """
 
 import argparse
+import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,44 +25,74 @@ from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
 from loadtest.scenarios import Retriever, SEED, chat_conversations, rag_items, stdlib_passages  # noqa: E402
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=8, help="prompts per scenario")
+    ap.add_argument("--batch", default="1", help="comma list of concurrent requests per run")
     ap.add_argument("--fixed", default="2,4", help="comma list of fixed block sizes")
-    ap.add_argument("--request-drafts", default="8,32", help="comma list of AdaptiveBlockPolicy request_drafts")
+    ap.add_argument("--request-drafts", type=int, default=32, help="AdaptiveBlockPolicy request_drafts")
     ap.add_argument("--max-block", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes over the prompts (tok/s: the median pass)")
     ap.add_argument("--cost-table", help="a saved CostModel to use (default: profile one, ~25 s)")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16, float32 or auto (bf16 where it is native)")
+    ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.repeats < 1 or not all(b >= 1 for b in batches):
+        ap.error("--repeats and --batch must be >= 1")
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
+    tok = loaded.tokenizer
 
     rag = rag_items(Retriever(stdlib_passages()), args.prompts, random.Random(SEED))
     texts = {"chat": [c[0] for c in chat_conversations()[: args.prompts]], "rag": [r["prompt"] for r in rag]}
-    kw = dict(max_block_size=args.max_block, max_batch_size=4, path=args.cost_table)
-    variants = {f"b{b}": FixedBlockPolicy(int(b)) for b in args.fixed.split(",")}
-    adaptive = {f"adaptive-{m}": AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, request_drafts=int(m), **kw)
-                for m in args.request_drafts.split(",")}
-    variants.update(adaptive)
-    engines = {k: Engine(loaded.target, loaded.drafter, max_slots=1, max_len=2048, policy=p,
-                         stop_token_ids=stop_token_ids(loaded.target_path)) for k, p in variants.items()}
-    tok = loaded.tokenizer
-    for scenario, prompts in texts.items():
-        totals = {k: [0.0, 0, 0] for k in engines}  # seconds, tokens, steps
-        for text in tqdm(prompts, desc=scenario):
-            chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-            ids = tok(chat)["input_ids"]
-            for name, engine in engines.items():
-                start = time.perf_counter()
-                r = engine.generate_batch([ids], SamplingParams(max_tokens=64))[0]
-                t = totals[name]
-                t[0] += time.perf_counter() - start
-                t[1] += len(r.output_ids) - 1  # the first token comes from the prefill
-                t[2] += len(r.acceptance_lengths)
-        rate = {k: t[1] / t[0] for k, t in totals.items()}
-        best = max(v for k, v in rate.items() if k not in adaptive)
-        print(f"{scenario}: " + ", ".join(f"{k} {rate[k]:.1f} tok/s (MAL {t[1] / max(t[2], 1):.2f})" for k, t in totals.items()))
-        print(f"{scenario}: adaptive / best fixed " + ", ".join(f"{k} {rate[k] / best:.3f}" for k in adaptive))
+    kw = dict(max_block_size=args.max_block, max_batch_size=max(batches), path=args.cost_table,
+              request_drafts=args.request_drafts)
+    profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, **kw)
+    results = {}
+    for batch in batches:
+        for scenario, prompts in texts.items():
+            # fresh policies per run: what each learns stays in its run
+            variants = {f"b{b}": lambda b=int(b): FixedBlockPolicy(b) for b in args.fixed.split(",")}
+            variants["adaptive"] = lambda: AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes,
+                                                               request_drafts=args.request_drafts)
+            variants["adaptive-notrim"] = lambda: AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes,
+                                                                      request_drafts=args.request_drafts, trim=False)
+            ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                               tokenize=False))["input_ids"] for t in prompts]
+            groups = [ids[i: i + batch] for i in range(0, len(ids), batch)]
+            passes = {k: [] for k in variants}
+            # one engine (and policy) per variant for all passes: the untimed first pass is the policies' warm-up,
+            # as a server's policy has long learned by the time it is measured
+            engines = {k: Engine(loaded.target, loaded.drafter, max_slots=batch, max_len=2048, policy=make(),
+                                 stop_token_ids=stop_token_ids(loaded.target_path)) for k, make in variants.items()}
+            for repeat in range(args.repeats + 1):
+                totals = {k: [0.0, 0, 0] for k in engines}  # seconds, tokens, steps
+                desc = f"{scenario} batch {batch} " + ("warm-up" if repeat == 0 else f"pass {repeat}")
+                for group in tqdm(groups, desc=desc):
+                    for name, engine in engines.items():
+                        start = time.perf_counter()
+                        done = engine.generate_batch(group, SamplingParams(max_tokens=64))
+                        t = totals[name]
+                        t[0] += time.perf_counter() - start
+                        t[1] += sum(len(r.output_ids) - 1 for r in done)  # the first token comes from the prefill
+                        t[2] += sum(len(r.acceptance_lengths) for r in done)
+                for k, (seconds, tokens, steps) in totals.items():
+                    if repeat > 0:
+                        passes[k].append({"tok_s": tokens / seconds, "mal": tokens / max(steps, 1)})
+            rate = {k: statistics.median(p["tok_s"] for p in v) for k, v in passes.items()}
+            best_name = max((k for k in rate if k.startswith("b")), key=rate.get)
+            results[f"{scenario} batch {batch}"] = {"tok_s": rate, "mal": {k: v[-1]["mal"] for k, v in passes.items()},
+                                                    "best_fixed": best_name,
+                                                    "vs_best_fixed": {k: rate[k] / rate[best_name] for k in rate}}
+            print(f"{scenario}, batch {batch}: " + ", ".join(
+                f"{k} {rate[k]:.1f} tok/s (MAL {passes[k][-1]['mal']:.2f})" for k in rate))
+            print(f"{scenario}, batch {batch}: over the best fixed block ({best_name}): " + ", ".join(
+                f"{k} {rate[k] / rate[best_name]:.3f}" for k in rate if k.startswith("adaptive")))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

@@ -164,6 +164,49 @@ def test_training_learns_resumes_and_saves_a_zlab_drafter(data_dirs, tmp_path):
     assert late < 0.8 * early, (early, late)
 
 
+@pytest.mark.slow
+def test_training_goes_on_from_a_saved_drafter(data_dirs, tmp_path):
+    """--init DRAFTER starts from that drafter's weights and trains over its draft vocabulary (more data for
+    a shipped drafter); a drafter of another shape or vocabulary size is refused, naming the flags."""
+    from engine.train import setup
+
+    first = tmp_path / "first"
+    first.mkdir()
+    train(TrainConfig(data=str(data_dirs / "train"), out=str(first), steps=3, anchors=4, seqs_per_step=2, lr=3e-3,
+                      vocab_subset=512, save_every=100, eval_every=100), quiet=True)
+    saved = load_drafter(first / "drafter")
+    cfg = TrainConfig(data=str(data_dirs / "train"), out=str(tmp_path / "more"), steps=2, anchors=4, seqs_per_step=2,
+                      save_every=100, eval_every=100, init=str(first / "drafter"))
+    cfg.check()
+    _, _, module, _, _, vocab_map = setup(cfg)
+    start = module.drafter.state_dict()
+    assert all(torch.equal(start[k], v.float()) for k, v in saved.state_dict().items())
+    assert (vocab_map >= 0).nonzero()[:, 0].tolist() == saved.draft_vocab.tolist()
+    (tmp_path / "more").mkdir()
+    train(cfg, quiet=True)
+    assert load_drafter(tmp_path / "more" / "drafter").draft_vocab.tolist() == saved.draft_vocab.tolist()
+    for bad, message in (({"num_layers": 2}, "does not match this run's"), ({"vocab_subset": 1024}, "a draft vocabulary of 512"),
+                         ({"feature_norm": True}, "already reads raw features")):
+        with pytest.raises(ValueError, match=message):
+            wrong = TrainConfig(**{**cfg.__dict__, **bad})
+            wrong.check()
+            setup(wrong)
+    with pytest.raises(ValueError, match="--init must be random, target or a drafter folder"):
+        TrainConfig(data="d", out="o", init=str(tmp_path / "nothing")).check()
+
+
+@pytest.mark.slow
+def test_datagen_skip_prompts_continues_where_a_folder_stopped(data_dirs, tmp_path):
+    """--skip-prompts 4 --num-prompts 2 regenerates exactly the prompts that come after the first 4."""
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "datagen", "--out", str(tmp_path / "next"),
+                        "--num-prompts", "2", "--skip-prompts", "4", "--max-new-tokens", "40", "--batch-size", "3",
+                        "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    more, first = DrafterData(tmp_path / "next"), DrafterData(data_dirs / "train")
+    assert [s.tokens[: s.prompt_len].tolist() for s in more.sequences] == \
+        [s.tokens[: s.prompt_len].tolist() for s in first.sequences[4:6]]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
