@@ -46,6 +46,7 @@ class LoadTestConfig:
     run_time: float = 30.0  # seconds of load per run (scenario x users x variant x repeat)
     repeats: int = 1  # runs per cell, interleaved with the other variants; the report keeps the median
     max_requests: int = 500  # per cell
+    requests_per_user: int = 0  # > 0: a cell also stops after this many requests per user (same requests for every variant)
     max_tokens: int = 64
     temperature: float = 0.0
     shape: str = "steady"
@@ -81,6 +82,8 @@ def check_config(cfg: LoadTestConfig) -> str | None:
         return f"--repeats must be >= 1, got {cfg.repeats}"
     if cfg.max_requests < 1:
         return f"--max-requests must be >= 1, got {cfg.max_requests}"
+    if cfg.requests_per_user < 0:
+        return f"--requests-per-user must be >= 0, got {cfg.requests_per_user}"
     if cfg.max_tokens < 1:
         return f"--max-tokens must be >= 1, got {cfg.max_tokens}"
     if cfg.temperature < 0:
@@ -119,6 +122,11 @@ def apps(cfg: LoadTestConfig) -> dict[str, dict]:
     return out
 
 
+def request_limit(cfg: LoadTestConfig, users: int) -> int:
+    """Requests a cell at this user count stops after."""
+    return min(cfg.max_requests, cfg.requests_per_user * users) if cfg.requests_per_user else cfg.max_requests
+
+
 def app_of(variant: str) -> str:
     return "fixed" if variant_block(variant) else variant
 
@@ -134,7 +142,7 @@ def locust_command(cfg: LoadTestConfig, scenarios: list[str], users: int, url: s
                "-r", str(users), "-t", f"{cfg.run_time:g}s", "--stop-timeout", "120", "--host", url,
                "--csv", str(prefix), "--scenario-file", str(scenario_file), "--summary-json", f"{prefix}.json",
                "--max-tokens", str(cfg.max_tokens), "--temperature", str(cfg.temperature),
-               "--max-requests", str(cfg.max_requests), "--seed", str(cfg.seed)]
+               "--max-requests", str(request_limit(cfg, users)), "--seed", str(cfg.seed)]
     if cfg.shape == "poisson":
         command += ["--think-time", str(cfg.think_time)]
     if cfg.shape == "step":
@@ -226,7 +234,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Load test: {', '.join(c['scenarios'])} at {', '.join(map(str, c['users']))} users", "",
              f"Server: {report['server']}. Load: {c['shape']} users, {c.get('repeats', 1)} run(s) per cell "
              f"(the median by tok/s shown; requests and failures summed), {c['run_time']:g} s per run (at most "
-             f"{c['max_requests']} requests), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
+             f"{c['max_requests']} requests" + (f", {c['requests_per_user']} per user" if c.get('requests_per_user') else "")
+             + "), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
              f"Locust {report['locust_version']}; machine: {report['machine']}.", "",
              "tok/s: output tokens / wall time of the run; TTFT, TPOT, ITL: p50 / p90 in ms (Locust's "
              "percentiles); MAL: mean acceptance length (usage.spec_decoding); x AR: speed-up over the "

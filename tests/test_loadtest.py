@@ -124,6 +124,7 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
     (["--variants", "fast"], "--variants: unknown or none: fast"),
     (["--run-time", "0"], "--run-time must be > 0"),
     (["--max-requests", "0"], "--max-requests must be >= 1"),
+    (["--requests-per-user", "-1"], "--requests-per-user must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
     (["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
