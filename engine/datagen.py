@@ -23,7 +23,7 @@ from tqdm import tqdm
 from engine.engine import Engine, SamplingParams
 
 HELD_OUT_PERCENT = 2
-SOURCES = ("sharegpt", "code")
+SOURCES = ("sharegpt", "code")  # the default mix; "code-methods" is a further source of code prompts
 
 
 @dataclass
@@ -72,11 +72,15 @@ def json_array_items(text: str):
         yield item
 
 
-def stdlib_modules():
-    """(module name, parsed module) for each top-level .py module of Python's standard library."""
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+def stdlib_modules(packages=False):
+    """(module name, parsed module) for each top-level .py module of Python's standard library, or
+    with `packages` for each module inside its packages (tests, IDLE and lib2to3 left out)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"test", "tests", "idlelib", "lib2to3", "site-packages", "turtledemo"}
+    paths = root.glob("*/**/*.py") if packages else root.glob("*.py")
+    for path in sorted(p for p in paths if not skip & set(p.relative_to(root).parts[:-1])):
         try:
-            yield path.stem, ast.parse(path.read_text(encoding="utf-8"))
+            yield ".".join(path.relative_to(root).with_suffix("").parts), ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, SystemError, RecursionError):
             continue  # CPython 3.11's ast.parse can raise SystemError on deep nesting inside a deep stack
 
@@ -108,9 +112,40 @@ def _code_prompts() -> tuple[PromptItem, ...]:
     return tuple(items)
 
 
+def method_prompts() -> list[PromptItem]:
+    """More code prompts: the documented public methods of the stdlib's public classes ('Write the
+    method ...'), and the documented public functions of the modules inside its packages."""
+    return list(_method_prompts())
+
+
+@functools.cache
+def _method_prompts() -> tuple[PromptItem, ...]:
+    def documented(nodes):
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield node, summary_line(doc)
+
+    items = []
+    for packages in (False, True):
+        for module, tree in stdlib_modules(packages):
+            for node, summary in documented(tree.body):
+                if isinstance(node, ast.ClassDef):
+                    for method, doc in documented(node.body):
+                        if isinstance(method, ast.FunctionDef):
+                            text = (f"Write the method `{method.name}({ast.unparse(method.args)})` of a Python class "
+                                    f"`{node.name}` ({summary}). {doc}")
+                            items.append(PromptItem(f"code-methods/{module}.{node.name}.{method.name}", "code-methods", text))
+                elif packages:  # top-level modules' functions are the "code" source
+                    text = f"Write a Python function `{node.name}({ast.unparse(node.args)})`. {summary}"
+                    items.append(PromptItem(f"code-methods/{module}.{node.name}", "code-methods", text))
+    return tuple(items)
+
+
 def load_prompts(sources=SOURCES, split="train") -> list[PromptItem]:
     """Prompts of the given sources and split (`train` or `held-out`), interleaved by source."""
-    loaders = {"sharegpt": sharegpt_prompts, "code": code_prompts}
+    loaders = {"sharegpt": sharegpt_prompts, "code": code_prompts, "code-methods": method_prompts}
     per_source = []
     for s in sources:
         if s not in loaders:

@@ -43,16 +43,29 @@ class Sequence:
 
 
 class DrafterData:
-    """All sequences of a datagen folder, in memory."""
+    """All sequences of one or more datagen folders (comma-separated), in memory."""
 
     def __init__(self, path, feature_layers: list[int] | None = None):
-        path = Path(path)
+        self.sequences: list[Sequence] = []
+        folders = [Path(p) for p in str(path).split(",") if p]
+        if not folders:
+            raise DataError("no datagen folder given")
+        for i, folder in enumerate(folders):
+            meta = self._read_folder(folder, feature_layers)
+            if i == 0:
+                self.meta, feature_layers = meta, self.feature_layers
+            elif meta.get("target") != self.meta.get("target"):
+                raise DataError(f"{folder} was made with target {meta.get('target')}, {folders[0]} with {self.meta.get('target')}")
+        self.num_tokens = sum(len(s.tokens) for s in self.sequences)
+        self.num_response_tokens = sum(len(s.tokens) - s.prompt_len for s in self.sequences)
+
+    def _read_folder(self, path: Path, feature_layers) -> dict:
         meta_path = path / "meta.json"
         if not meta_path.is_file():
             raise DataError(f"{path}: not a datagen folder (no meta.json); make one with `dflash-serve datagen`")
         try:
-            self.meta = json.loads(meta_path.read_text())
-            layers = self.meta["feature_layers"]
+            meta = json.loads(meta_path.read_text())
+            layers = meta["feature_layers"]
         except (json.JSONDecodeError, KeyError) as e:
             raise DataError(f"{meta_path}: malformed ({e})") from None
         shards = sorted(path.glob("shard-*.pt"))
@@ -63,15 +76,13 @@ class DrafterData:
         if missing:
             raise DataError(f"{path} has features of target layers {layers}, not {sorted(missing)}")
         self.feature_layers = list(feature_layers)
-        self.sequences: list[Sequence] = []
         for shard_path in shards:
             try:
                 shard = torch.load(shard_path, weights_only=True)
                 self._add(shard, layers)
             except Exception as e:
                 raise DataError(f"{shard_path}: malformed shard ({type(e).__name__}: {e})") from None
-        self.num_tokens = sum(len(s.tokens) for s in self.sequences)
-        self.num_response_tokens = sum(len(s.tokens) - s.prompt_len for s in self.sequences)
+        return meta
 
     def _add(self, shard, layers):
         hidden = shard["features"].shape[1] // len(layers)

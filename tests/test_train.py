@@ -197,7 +197,8 @@ def test_training_goes_on_from_a_saved_drafter(data_dirs, tmp_path):
 
 @pytest.mark.slow
 def test_datagen_skip_prompts_continues_where_a_folder_stopped(data_dirs, tmp_path):
-    """--skip-prompts 4 --num-prompts 2 regenerates exactly the prompts that come after the first 4."""
+    """--skip-prompts 4 --num-prompts 2 regenerates exactly the prompts that come after the first 4; training
+    reads both folders as one (--data A,B), and refuses folders made with different targets."""
     r = subprocess.run([sys.executable, "-m", "engine.cli", "datagen", "--out", str(tmp_path / "next"),
                         "--num-prompts", "2", "--skip-prompts", "4", "--max-new-tokens", "40", "--batch-size", "3",
                         "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -205,6 +206,12 @@ def test_datagen_skip_prompts_continues_where_a_folder_stopped(data_dirs, tmp_pa
     more, first = DrafterData(tmp_path / "next"), DrafterData(data_dirs / "train")
     assert [s.tokens[: s.prompt_len].tolist() for s in more.sequences] == \
         [s.tokens[: s.prompt_len].tolist() for s in first.sequences[4:6]]
+    both = DrafterData(f"{data_dirs / 'train'},{tmp_path / 'next'}")  # --data A,B trains on both
+    assert len(both.sequences) == 8 and both.num_tokens == first.num_tokens + more.num_tokens
+    meta = json.loads((tmp_path / "next" / "meta.json").read_text())
+    (tmp_path / "next" / "meta.json").write_text(json.dumps(dict(meta, target="/elsewhere")))
+    with pytest.raises(DataError, match="was made with target /elsewhere"):
+        DrafterData(f"{data_dirs / 'train'},{tmp_path / 'next'}")
 
 
 def run_cli(*args):
@@ -279,7 +286,7 @@ def test_ray_train_two_workers_average_gradients(data_dirs, tmp_path):
 def test_prompt_sources_and_held_out_split(tmp_path):
     """ShareGPT's packaged file is cut off mid-record: every complete record still parses. The
     held-out split is fixed by a hash of the prompt id and never overlaps training."""
-    from engine.datagen import PromptItem, code_prompts, json_array_items, write_prompt_file
+    from engine.datagen import PromptItem, code_prompts, json_array_items, method_prompts, write_prompt_file
 
     text = '[{"id": "a", "x": 1}, {"id": "b", "x": [2, 3]},\n {"id": "c", "x": "unterminated'
     assert [item["id"] for item in json_array_items(text)] == ["a", "b"]
@@ -292,6 +299,10 @@ def test_prompt_sources_and_held_out_split(tmp_path):
     n = write_prompt_file(tmp_path / "p.jsonl", ["code"], "held-out")
     rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert n == len(rows) == len([p for p in code if p.held_out and len(p.text) <= 600])
+    methods = method_prompts()  # more code: class methods, and functions of the stdlib's packages
+    assert len(methods) > 2 * len(code) and not {p.id for p in methods} & {p.id for p in code}
+    assert any(p.text.startswith("Write the method `") for p in methods)
+    assert any(p.id.startswith("code-methods/json.") for p in methods)  # a package's module
 
 
 @pytest.mark.slow
