@@ -46,7 +46,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int):
 
 
 TRAIN_HELP = {
-    "data": "datagen folder to train on",
+    "data": "datagen folder to train on (several: comma-separated)",
     "out": "run folder: checkpoint.pt, log.jsonl, curves.png and the drafter (z-lab format) in drafter/",
     "held_out": "datagen folder (held-out split) for tau evaluations",
     "target": "target checkpoint folder (default: the one the data was made with)",
@@ -143,7 +143,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     dg.add_argument("--out", required=True, help="data folder (resumed if it holds a partial run with the same settings)")
     dg.add_argument("--num-prompts", type=int, default=2048)
     dg.add_argument("--split", default="train", choices=("train", "held-out"))
-    dg.add_argument("--sources", type=comma_list(str), default=["sharegpt", "code"], help="comma list of sharegpt, code")
+    dg.add_argument("--sources", type=comma_list(str), default=["sharegpt", "code"], help="comma list of sharegpt, code, code-methods")
     dg.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
     dg.add_argument("--skip-prompts", type=int, default=0, help="start after the split's first N prompts (more data than an earlier folder)")
     dg.add_argument("--max-new-tokens", type=int, default=256)
@@ -201,6 +201,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt.add_argument("--dtype", default="auto", choices=DTYPES)
     lt.add_argument("--out", default="loadtest-report", help="folder for the report, plots, Locust CSVs and logs")
     lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--resume", action="store_true",
+                    help="keep the runs already in --out/runs (same flags): an interrupted sweep goes on where it stopped")
 
     sk = subs.add_parser("soak", help="mixed chat/RAG/agent load for a bounded time: replica memory and KV slots stay flat?")
     sk.add_argument("--minutes", type=float, default=10.0, help="minutes of load")

@@ -22,6 +22,7 @@ under load at a time, each replica runs 1 torch thread, and the load generator u
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
@@ -59,6 +60,7 @@ class LoadTestConfig:
     num_cpus: float = 1.0  # Ray CPUs per replica (torch threads: this rounded, at least 1)
     out: str = "loadtest-report"
     seed: int = 0
+    resume: bool = False  # reuse the runs whose summaries --out already holds (an interrupted sweep goes on)
 
 
 def variant_block(name: str) -> int | None:
@@ -96,12 +98,23 @@ def check_config(cfg: LoadTestConfig) -> str | None:
         return f"--url must be a loopback address (http://127.0.0.1:PORT), got {cfg.url}"
     if not Path(cfg.out).resolve().parent.is_dir():
         return f"--out {cfg.out}: the folder {Path(cfg.out).resolve().parent} does not exist"
+    before = Path(cfg.out) / "config.json"
+    if cfg.resume and before.exists():
+        changed = [k for k, v in json.loads(before.read_text()).items() if settings(cfg).get(k) != v]
+        if changed:
+            return (f"--resume: the runs in {cfg.out} were made with other " + ", ".join(
+                f"--{k.replace('_', '-')}" for k in changed) + "; use the same flags or another --out")
     try:
         for config in apps(cfg).values():
             AppConfig(**config)
     except ValueError as e:
         return " ".join(str(e).split())
     return None
+
+
+def settings(cfg: LoadTestConfig) -> dict:
+    """The flags that shape the runs (what --resume must find unchanged)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("resume", "out")}
 
 
 def apps(cfg: LoadTestConfig) -> dict[str, dict]:
@@ -154,16 +167,19 @@ def locust_command(cfg: LoadTestConfig, scenarios: list[str], users: int, url: s
 
 def run_cell(cfg: LoadTestConfig, scenario: str, users: int, variant: str, url: str, folder: Path,
              scenario_file: Path, repeat: int | None = None) -> dict:
-    """One Locust run; its figures (latency percentiles in ms, throughput, acceptance)."""
+    """One Locust run; its figures (latency percentiles in ms, throughput, acceptance). With cfg.resume
+    a run whose summary is already in `folder` is read back instead (Locust writes it as it quits)."""
     prefix = folder / (f"{scenario}-u{users}-{variant}" + ("" if repeat is None else f"-r{repeat}"))
-    command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file)
-    log = Path(f"{prefix}.log")
-    with open(log, "w") as f:
-        done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=cfg.run_time + 300,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
     summary_path = Path(f"{prefix}.json")
-    if done.returncode not in (0, 1) or not summary_path.exists():  # 1: Locust saw failures
-        raise RuntimeError(f"locust exited with {done.returncode}; see {log}:\n{log.read_text()[-2000:]}")
+    if not (cfg.resume and summary_path.exists()):
+        summary_path.unlink(missing_ok=True)
+        command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file)
+        log = Path(f"{prefix}.log")
+        with open(log, "w") as f:
+            done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=cfg.run_time + 300,
+                                  env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        if done.returncode not in (0, 1) or not summary_path.exists():  # 1: Locust saw failures
+            raise RuntimeError(f"locust exited with {done.returncode}; see {log}:\n{log.read_text()[-2000:]}")
     summary = json.loads(summary_path.read_text())
     totals = summary.get(scenario, {"requests": 0, "failures": 0, "output_tokens": 0, "num_drafts": 0,
                                     "num_accepted_tokens": 0, "block_sizes": {}})
@@ -201,6 +217,16 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
+def paired_ratios(cells: dict, fixed: list[str]) -> list[float] | None:
+    """Per repeat, adaptive's tok/s over the best fixed block's in that repeat (the runs compared sit
+    together in time, so a machine that speeds up or slows down between repeats moves both)."""
+    runs = [cells[v].get("tokens_per_s_runs") for v in ["adaptive", *fixed]]
+    if not all(runs) or len({len(r) for r in runs}) != 1:
+        return None
+    return [a / max(r[i] for r in runs[1:]) if a and max(r[i] for r in runs[1:]) else None
+            for i, a in enumerate(runs[0])]
+
+
 def comparisons(results: dict) -> dict:
     """Per scenario and user count: each variant against ar (tok/s and TPOT speed-up, TTFT cost),
     the best fixed block, and whether adaptive reached it."""
@@ -221,6 +247,9 @@ def comparisons(results: dict) -> dict:
                 row["best_fixed"] = best
                 if "adaptive" in cells:
                     row["adaptive_vs_best_fixed"] = ratio(cells["adaptive"]["output_tokens_per_s"], fixed[best])
+                    paired = paired_ratios(cells, list(fixed))
+                    if paired:
+                        row["adaptive_vs_best_fixed_by_repeat"] = paired
             out.setdefault(scenario, {})[users] = row
     return out
 
@@ -235,7 +264,7 @@ def markdown(report: dict) -> str:
              f"Server: {report['server']}. Load: {c['shape']} users, {c.get('repeats', 1)} run(s) per cell "
              f"(the median by tok/s shown; requests and failures summed), {c['run_time']:g} s per run (at most "
              f"{c['max_requests']} requests" + (f", {c['requests_per_user']} per user" if c.get('requests_per_user') else "")
-             + "), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
+             + f"), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
              f"Locust {report['locust_version']}; machine: {report['machine']}.", "",
              "tok/s: output tokens / wall time of the run; TTFT, TPOT, ITL: p50 / p90 in ms (Locust's "
              "percentiles); MAL: mean acceptance length (usage.spec_decoding); x AR: speed-up over the "
@@ -259,6 +288,12 @@ def markdown(report: dict) -> str:
         if adaptive:
             lines += ["Adaptive vs the best fixed block (tok/s): " + "; ".join(
                 f"{u} users: {fmt(r['adaptive_vs_best_fixed'])}x ({r['best_fixed']})" for u, r in adaptive), ""]
+            paired = [(u, r["adaptive_vs_best_fixed_by_repeat"]) for u, r in adaptive if r.get("adaptive_vs_best_fixed_by_repeat")]
+            if paired:
+                lines += ["The same, repeat by repeat (adaptive over the best fixed block of its own repeat; median, then "
+                          "each repeat): " + "; ".join(
+                              f"{u} users: {fmt(statistics.median(x for x in rs if x))}x ({', '.join(fmt(x) for x in rs)})"
+                              for u, rs in paired), ""]
         agent = [(u, cells) for u, cells in by_users.items() if any(c.get("json_expected") for c in cells.values())]
         if agent:
             lines += ["Valid JSON replies (tool calls and answers): " + "; ".join(
@@ -338,6 +373,7 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
 
     out = Path(cfg.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(settings(cfg), indent=1) + "\n")
     scenario_file = out / "scenarios.json"
     print(f"loadtest: building the traffic into {scenario_file}", file=sys.stderr)
     scenarios.build(scenario_file, seed=cfg.seed)

@@ -63,6 +63,39 @@ def test_median_run_of_repeats():
     assert median_run(runs[:1]) == runs[0]
 
 
+def test_adaptive_is_compared_repeat_by_repeat():
+    from loadtest.run import comparisons
+
+    def cell(runs):
+        return {"output_tokens_per_s": sorted(runs)[1], "tokens_per_s_runs": runs, "latency_ms": {}}
+
+    cells = {"ar": cell([5, 5, 5]), "b2": cell([9, 13, 10]), "b4": cell([10, 11, 12]), "adaptive": cell([10, 12, 11])}
+    row = comparisons({"chat": {4: cells}})["chat"][4]
+    assert row["best_fixed"] == "b4" and row["adaptive_vs_best_fixed"] == 1.0  # medians: 11 against 11
+    assert row["adaptive_vs_best_fixed_by_repeat"] == [1.0, 12 / 13, 11 / 12]  # each repeat's own best fixed block
+
+
+def test_resume_reads_finished_runs_and_refuses_other_flags(tmp_path):
+    """A resumed sweep reads a run's summary back instead of starting Locust (the URL here serves
+    nothing, so a Locust run would fail), and refuses flags that differ from the runs it finds."""
+    from loadtest.run import LoadTestConfig, check_config, run_cell, settings
+
+    cfg = LoadTestConfig(scenarios=["chat"], users=[2], variants=["b2"], out=str(tmp_path), resume=True)
+    summary = {"chat": {"requests": 8, "failures": 0, "output_tokens": 400, "num_drafts": 100,
+                        "num_accepted_tokens": 50, "block_sizes": {"2": 100}}, "_wall": {"start": 10.0, "end": 30.0}}
+    (tmp_path / "chat-u2-b2-r1.json").write_text(json.dumps(summary))
+    cell = run_cell(cfg, "chat", 2, "b2", "http://127.0.0.1:9", tmp_path, tmp_path / "none.json", repeat=1)
+    assert cell["output_tokens_per_s"] == 20.0 and cell["mean_acceptance_length"] == 1.5
+    (tmp_path / "config.json").write_text(json.dumps(settings(cfg)))
+    assert check_config(cfg) is None
+    problem = check_config(LoadTestConfig(scenarios=["chat"], users=[2, 4], variants=["b2"], max_tokens=32,
+                                          out=str(tmp_path), resume=True))
+    assert "--users" in problem and "--max-tokens" in problem and "--scenarios" not in problem
+    again = run_cell(LoadTestConfig(out=str(tmp_path), run_time=1), "chat", 2, "b2", "http://127.0.0.1:9", tmp_path,
+                     tmp_path / "none.json", repeat=1)  # without --resume the run is made again: nothing served
+    assert again["output_tokens"] == 0 and json.loads((tmp_path / "chat-u2-b2-r1.json").read_text()) != summary
+
+
 def test_json_replies_are_found_in_prose():
     from loadtest.replies import parse_json_object
 
@@ -89,7 +122,8 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
     assert (out / "loadtest.png").stat().st_size > 0
     assert json.loads((out / "report.json").read_text())["results"].keys() == {"chat", "rag", "agent"}
     md = (out / "report.md").read_text()
-    assert "## chat" in md and "## agent" in md and "Failures in all runs: 0." in md
+    assert "## chat" in md and "## agent" in md and "Failures in all runs: 0." in md and "max_tokens 8," in md
+    assert json.loads((out / "config.json").read_text())["users"] == [2]  # what --resume checks
     for scenario, by_users in report["results"].items():
         for variant, cell in by_users[2].items():
             where = f"{scenario} {variant}"

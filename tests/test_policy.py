@@ -147,29 +147,41 @@ EASY = [0.95 - 0.015 * k for k in range(15)]  # e.g. code: long accepted runs
 HARD = [0.40 - 0.02 * k for k in range(15)]  # e.g. open chat
 
 
-def simulate(policy, batch, cost, per_phase=32, max_tokens=64, seed=0):
-    """Continuous batching of `per_phase` easy then `per_phase` hard requests: tokens/s."""
-    gen = torch.Generator().manual_seed(seed)
-    queue = [EASY] * per_phase + [HARD] * per_phase
-    running, tokens, seconds = [], 0, 0.0
+def continuous_batching(policy, batch, kinds, step, max_tokens=64):
+    """Requests of `kinds` (one request each, in order) served `batch` at a time until each has
+    max_tokens; `step(running, sizes)` runs one step at the policy's sizes and returns (seconds,
+    verified sizes, accepted drafts per request). Returns tokens/s."""
+    queue, running, tokens, seconds = list(kinds), [], 0, 0.0
     while queue or running:
         while queue and len(running) < batch:
             r = fake_request()
-            r.true, r.done = queue.pop(0), 0
+            r.kind, r.done = queue.pop(0), 0
             running.append(r)
         caps = [max(1, min(16, max_tokens - r.done + 1)) for r in running]  # as Engine._block_cap
-        sizes = policy.choose(running, caps)
-        seconds += cost.cost(len(running), max(sizes))
-        u = torch.rand(len(running), 15, generator=gen)
-        for r, b, row in zip(running, sizes, u.tolist()):
-            accepted = 0
-            while accepted < b - 1 and row[accepted] < r.true[accepted]:
-                accepted += 1
-            r.stats.observe_draft(b - 1, accepted)
-            new = min(accepted + 1, max_tokens - r.done)
+        took, verified, accepted = step(running, policy.choose(running, caps))
+        seconds += took
+        for r, v, a in zip(running, verified, accepted):
+            r.stats.observe_draft(v - 1, a)
+            new = min(a + 1, max_tokens - r.done)
             r.done, tokens = r.done + new, tokens + new
         running = [r for r in running if r.done < max_tokens]
     return tokens / seconds
+
+
+def simulate(policy, batch, cost, per_phase=32, seed=0):
+    """Continuous batching of `per_phase` easy then `per_phase` hard requests: tokens/s."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def step(running, sizes):
+        accepted = []
+        for r, b, row in zip(running, sizes, torch.rand(len(running), 15, generator=gen).tolist()):
+            a = 0
+            while a < b - 1 and row[a] < r.kind[a]:
+                a += 1
+            accepted.append(a)
+        return cost.cost(len(running), max(sizes)), sizes, accepted
+
+    return continuous_batching(policy, batch, [EASY] * per_phase + [HARD] * per_phase, step)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
@@ -203,6 +215,10 @@ def test_observed_step_times_calibrate_the_choice():
     fresh.observe_step(1, 2, 0, 1.0)  # a stall: clipped to 4x
     assert fresh.step_cost(1, 2, None) == pytest.approx(0.08)
     assert fresh.step_cost(1, 4, None) == pytest.approx(0.04 * (2 + 4) / 2)
+    fresh.observe_step(1, 2, 0, 0.5, caught_up=33)  # the drafter catching up on 32 block-1 steps' features
+    assert fresh.step_cost(1, 2, None) == pytest.approx(0.08)  # not this block's cost: not calibrated
+    fresh.observe_step(1, 2, 0, 0.01, caught_up=4)  # a steady drafting step is
+    assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * (4 + 0.5) / 2)
 
 
 def test_cost_model_interpolates_piecewise_linearly():
@@ -394,20 +410,13 @@ def test_trim_maximises_its_objective(seed):
     assert rate == pytest.approx(best_rate, rel=1e-9), (sizes, best)
 
 
-def simulate_with_confidence(policy, batch, cost, per_phase=32, max_tokens=64, seed=0):
+def simulate_with_confidence(policy, batch, cost, per_phase=32, seed=0):
     """As simulate(), but each draft comes with a confidence c and holds with probability c (a calibrated
     drafter): easy requests draw c from Beta(4, 1), hard ones from Beta(1, 3). The policy trims what it
     verifies; a step costs the drafter pass plus a ragged verify of what was verified: tokens/s."""
     gen = torch.Generator().manual_seed(seed)
-    queue = ["easy"] * per_phase + ["hard"] * per_phase
-    running, tokens, seconds = [], 0, 0.0
-    while queue or running:
-        while queue and len(running) < batch:
-            r = fake_request()
-            r.kind, r.done = queue.pop(0), 0
-            running.append(r)
-        caps = [max(1, min(16, max_tokens - r.done + 1)) for r in running]
-        sizes = policy.choose(running, caps)
+
+    def step(running, sizes):
         block = max(sizes)
         alpha = torch.tensor([[4.0, 1.0] if r.kind == "easy" else [1.0, 3.0] for r in running])
         confidence = torch.distributions.Beta(alpha[:, :1], alpha[:, 1:]).sample((15,)).squeeze(-1).T  # [n, 15]
@@ -416,13 +425,10 @@ def simulate_with_confidence(policy, batch, cost, per_phase=32, max_tokens=64, s
         holds = torch.rand(confidence.shape, generator=gen) < confidence
         accepted = [min(int(h.long().cumprod(0).sum()), v - 1) for h, v in zip(holds, verified)]
         policy.observe_verified(running, sizes, verified, confidence, accepted)
-        seconds += cost.draft_cost(len(running), block) + cost.verify_cost(len(running), sum(verified) / len(running))
-        for r, v, a in zip(running, verified, accepted):
-            r.stats.observe_draft(v - 1, a)
-            new = min(a + 1, max_tokens - r.done)
-            r.done, tokens = r.done + new, tokens + new
-        running = [r for r in running if r.done < max_tokens]
-    return tokens / seconds
+        seconds = cost.draft_cost(len(running), block) + cost.verify_cost(len(running), sum(verified) / len(running))
+        return seconds, verified, accepted
+
+    return continuous_batching(policy, batch, ["easy"] * per_phase + ["hard"] * per_phase, step)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
