@@ -127,6 +127,7 @@ class DraftBlock:
     # [batch, b_max - 1] float: the peak probability of each drafted position's distribution (a
     # function of the drafter's output only, never of a sampled token), or None
     confidence: torch.Tensor | None = None
+    caught_up: int = 0  # target positions whose features the drafter took in with this pass (the widest row)
 
     def trimmed(self, block_sizes: list[int]) -> "DraftBlock":
         """The same drafts, each row verifying only its first block_sizes[i] <= self.block_sizes[i] positions."""
@@ -134,7 +135,7 @@ class DraftBlock:
             return self
         b_max = max(block_sizes)
         return DraftBlock(self.block_ids[:, :b_max], None if self.draft_probs is None else self.draft_probs[:, : b_max - 1],
-                          block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1])
+                          block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1], self.caught_up)
 
 
 class Engine:
@@ -265,7 +266,7 @@ class Engine:
             self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
         outputs = self._finish_step(running, committed)
         self.policy.observe_step(len(running), max(drafted.block_sizes), context, time.perf_counter() - start,
-                                 verified=sum(draft.block_sizes) / len(running))
+                                 verified=sum(draft.block_sizes) / len(running), caught_up=drafted.caught_up)
         return outputs
 
     def trim(self, requests: list[Request], drafted: DraftBlock) -> DraftBlock:
@@ -357,7 +358,7 @@ class Engine:
         for r in requests:
             self.draft_cache.crop(r.draft_slot, r.num_cached)
             r.pending_features = None
-        return DraftBlock(block_ids, probs, block_sizes, confidence)
+        return DraftBlock(block_ids, probs, block_sizes, confidence, ctx_width)
 
     @property
     def target_features_dim(self):
