@@ -1,0 +1,79 @@
+"""Block policies under continuous batching, in one process: `--batch` requests kept running (a new
+one joins as soon as one finishes, as in a server replica), the load test's chat or RAG prompts, 64
+greedy tokens each; the variants run one after another on the same engine weights. Prints each
+variant's wall time and tokens/s, and for the adaptive ones what they chose and verified.
+
+    .venv/bin/python scripts/policy_continuous.py --scenario chat --batch 16 --prompts 48
+
+The variants run one after another, not interleaved: repeat it. At batch 16 on the chat prompts (bf16
+host, 2-3 runs each) fixed b2 took 18.9-19.7 s, adaptive 20.0-20.4 s (the load test's 16-user gap),
+adaptive without the trim 19.0-20.2 s (README, "Load tests").
+"""
+
+import argparse
+import collections
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.engine import Engine, SamplingParams  # noqa: E402
+from engine.loading import load, stop_token_ids  # noqa: E402
+from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
+from loadtest.scenarios import SEED, Retriever, chat_conversations, rag_items, stdlib_passages  # noqa: E402
+
+
+def run(loaded, policy, prompts, batch):
+    """Wall seconds and output tokens for all prompts, `batch` at a time, refilled as requests finish."""
+    engine = Engine(loaded.target, loaded.drafter, max_slots=batch, max_len=2048, policy=policy,
+                    stop_token_ids=stop_token_ids(loaded.target_path))
+    queue, done, start = list(prompts), [], time.perf_counter()
+    while queue or engine.num_running:
+        while queue and engine.num_running < batch:
+            done.append(engine.add_request(queue.pop(0), SamplingParams(max_tokens=64)))
+        engine.step()
+    return time.perf_counter() - start, sum(len(r.output_ids) for r in done), engine.stats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenario", default="chat", choices=("chat", "rag"))
+    ap.add_argument("--batch", type=int, default=16, help="requests kept running")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--variants", default="b2,adaptive,adaptive-notrim", help="comma list of b<N>, adaptive, adaptive-notrim")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    if args.batch < 1 or args.prompts < 1:
+        ap.error("--batch and --prompts must be >= 1")
+    torch.set_num_threads(1)
+    loaded = load(None, "default", args.dtype, "cpu")
+    tok = loaded.tokenizer
+    if args.scenario == "chat":
+        texts = [c[0] for c in chat_conversations()[: args.prompts]]
+    else:
+        texts = [r["prompt"] for r in rag_items(Retriever(stdlib_passages()), args.prompts, random.Random(SEED))]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           tokenize=False))["input_ids"] for t in texts]
+    profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=args.batch)
+    for name in args.variants.split(","):
+        if name.startswith("b") and name[1:].isdigit():
+            policy = FixedBlockPolicy(int(name[1:]))
+        elif name in ("adaptive", "adaptive-notrim"):
+            policy = AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
+        else:
+            ap.error(f"--variants: unknown variant {name!r}")
+        chosen = collections.Counter()
+        if isinstance(policy, AdaptiveBlockPolicy):
+            choose = policy.choose
+            policy.choose = lambda requests, caps, choose=choose: chosen.update([max(out := choose(requests, caps))]) or out
+        seconds, tokens, stats = run(loaded, policy, prompts, args.batch)
+        print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s; "
+              f"verified rows by block {dict(sorted(stats.block_sizes.items()))}"
+              + (f"; steps by chosen block {dict(sorted(chosen.items()))}" if chosen else ""))
+
+
+if __name__ == "__main__":
+    main()
