@@ -223,8 +223,8 @@ def paired_ratios(cells: dict, fixed: list[str]) -> list[float] | None:
     runs = [cells[v].get("tokens_per_s_runs") for v in ["adaptive", *fixed]]
     if not all(runs) or len({len(r) for r in runs}) != 1:
         return None
-    return [a / max(r[i] for r in runs[1:]) if a and max(r[i] for r in runs[1:]) else None
-            for i, a in enumerate(runs[0])]
+    best = [max(r[i] for r in runs[1:]) for i in range(len(runs[0]))]
+    return [ratio(a, b) for a, b in zip(runs[0], best)]
 
 
 def comparisons(results: dict) -> dict:

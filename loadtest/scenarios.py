@@ -172,6 +172,13 @@ def agent_tasks(retriever: Retriever, n: int, rng: random.Random) -> list[dict]:
 # ---- all of it ----------------------------------------------------------------------------------
 
 
+def first_turns(scenario: str, n: int) -> list[str]:
+    """The first user message of n chat conversations or n RAG items (one-process experiments)."""
+    if scenario == "chat":
+        return [c[0] for c in chat_conversations()[:n]]
+    return [r["prompt"] for r in rag_items(Retriever(stdlib_passages()), n, random.Random(SEED))]
+
+
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:
     """Build every scenario's traffic and write it to `path` (JSON); returns it."""
     rng = random.Random(seed)

@@ -9,7 +9,6 @@ adaptive variant's tok/s over the best fixed block's; --json writes them.
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -23,7 +22,8 @@ from tqdm import tqdm  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
-from loadtest.scenarios import Retriever, SEED, chat_conversations, rag_items, stdlib_passages  # noqa: E402
+from engine.prompts import chat  # noqa: E402
+from loadtest.scenarios import first_turns  # noqa: E402
 
 
 def main():
@@ -45,8 +45,7 @@ def main():
     loaded = load(None, "default", args.dtype, "cpu")
     tok = loaded.tokenizer
 
-    rag = rag_items(Retriever(stdlib_passages()), args.prompts, random.Random(SEED))
-    texts = {"chat": [c[0] for c in chat_conversations()[: args.prompts]], "rag": [r["prompt"] for r in rag]}
+    texts = {s: first_turns(s, args.prompts) for s in ("chat", "rag")}
     kw = dict(max_block_size=args.max_block, max_batch_size=max(batches), path=args.cost_table,
               request_drafts=args.request_drafts)
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, **kw)
@@ -59,8 +58,7 @@ def main():
                                                                request_drafts=args.request_drafts)
             variants["adaptive-notrim"] = lambda: AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes,
                                                                       request_drafts=args.request_drafts, trim=False)
-            ids = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                               tokenize=False))["input_ids"] for t in prompts]
+            ids = [chat(t).token_ids(tok) for t in prompts]
             groups = [ids[i: i + batch] for i in range(0, len(ids), batch)]
             passes = {k: [] for k in variants}
             # one engine (and policy) per variant for all passes: the untimed first pass is the policies' warm-up,

@@ -12,7 +12,6 @@ adaptive without the trim 19.0-20.2 s (README, "Load tests").
 
 import argparse
 import collections
-import random
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
-from loadtest.scenarios import SEED, Retriever, chat_conversations, rag_items, stdlib_passages  # noqa: E402
+from engine.prompts import chat  # noqa: E402
+from loadtest.scenarios import first_turns  # noqa: E402
 
 
 def run(loaded, policy, prompts, batch):
@@ -38,6 +38,15 @@ def run(loaded, policy, prompts, batch):
     return time.perf_counter() - start, sum(len(r.output_ids) for r in done), engine.stats
 
 
+def counting(choose, chosen: collections.Counter):
+    """`choose`, counting the steps by the block it picks."""
+    def wrapped(requests, caps):
+        sizes = choose(requests, caps)
+        chosen[max(sizes)] += 1
+        return sizes
+    return wrapped
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenario", default="chat", choices=("chat", "rag"))
@@ -50,13 +59,7 @@ def main():
         ap.error("--batch and --prompts must be >= 1")
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
-    tok = loaded.tokenizer
-    if args.scenario == "chat":
-        texts = [c[0] for c in chat_conversations()[: args.prompts]]
-    else:
-        texts = [r["prompt"] for r in rag_items(Retriever(stdlib_passages()), args.prompts, random.Random(SEED))]
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=False))["input_ids"] for t in texts]
+    prompts = [chat(t).token_ids(loaded.tokenizer) for t in first_turns(args.scenario, args.prompts)]
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=args.batch)
     for name in args.variants.split(","):
         if name.startswith("b") and name[1:].isdigit():
@@ -67,8 +70,7 @@ def main():
             ap.error(f"--variants: unknown variant {name!r}")
         chosen = collections.Counter()
         if isinstance(policy, AdaptiveBlockPolicy):
-            choose = policy.choose
-            policy.choose = lambda requests, caps, choose=choose: chosen.update([max(out := choose(requests, caps))]) or out
+            policy.choose = counting(policy.choose, chosen)
         seconds, tokens, stats = run(loaded, policy, prompts, args.batch)
         print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s; "
               f"verified rows by block {dict(sorted(stats.block_sizes.items()))}"
