@@ -315,8 +315,10 @@ def test_profile_default_model():
     (t11, t18), (t41, t48) = cost.seconds[0]
     assert min(t11, t18, t41, t48) > 0
     assert t48 > max(t18, t41) and t18 > t11  # a drafter pass and 8 positions cost more than 1
-    (l11, _), (l41, _) = cost.seconds[1]
-    assert l41 > l11  # at 512 positions, 4 rows read 4 x the keys (at 64, batch 1 vs 4 is timing noise)
+    (_, l18), (_, l48) = cost.seconds[1]
+    # at 512 positions 4 rows of 8 read 4 x the keys of one row (at block 1 the difference is within the
+    # timing noise on a bf16 host: 55.7 against 55.9 ms once, packed linears make the extra rows cheap)
+    assert l48 > l18
     assert cost.meta["dtype"] == str(loaded.target.dtype) and cost.contexts == [64, 512]
     # attention reads every cached position: 8 x more of them is a dearer step of 4 x 8 positions
     assert cost.cost(4, 8, context=512) > t48 and cost.cost(4, 8, context=2048) >= cost.cost(4, 8, context=512)
