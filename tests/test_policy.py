@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.policy import AdaptiveBlockPolicy, CostModel, FixedBlockPolicy, expected_tokens
+from engine.policy import (CALIBRATION_PRIOR_STEPS, AdaptiveBlockPolicy, CostModel, FixedBlockPolicy, expected_tokens,
+                           shrunk_acceptance)
 from engine.stats import SpecStats
 
 GRID = [1, 2, 4, 8, 16]
@@ -200,25 +201,41 @@ def test_adaptive_beats_every_fixed_block_in_simulation(batch, capsys):
 
 def test_observed_step_times_calibrate_the_choice():
     """The profile says drafting is dear, real steps say it is cheap: after the engine reports them the
-    policy drafts. A block never run borrows the others' mean ratio; one step's outlier is clipped."""
+    policy drafts. A block never run borrows the others' mean ratio, and its first steps are averaged
+    with it; one step's outlier is clipped."""
     cost = CostModel([1], [1, 2], [[0.010, 0.016]])
     policy = AdaptiveBlockPolicy(cost, block_sizes=(1, 2), prior=0.5)
     request = fake_request([0.5], block=2)  # E(2) = 1.5 tokens: 150 tok/s at 10 ms, 94 at 16 ms
     assert policy.choose([request], [2]) == [1]
-    for _ in range(40):
+    for _ in range(200):
         policy.observe_step(1, 1, 0, 0.012)  # block 1 runs 20% over its profile
         policy.observe_step(1, 2, 0, 0.0096)  # block 2 40% under: 156 tok/s against 83
-    assert policy.step_cost(1, 2, None) == pytest.approx(0.0096)
+    assert policy.step_cost(1, 2, None) == pytest.approx(0.0096, rel=1e-3)  # the prior is forgotten
     assert policy.choose([request], [2]) == [2]
     fresh = AdaptiveBlockPolicy(CostModel([1], [1, 2, 4], [[0.01, 0.02, 0.04]]), block_sizes=(1, 2, 4))
-    fresh.observe_step(1, 1, 0, 0.02)
-    fresh.observe_step(1, 2, 0, 1.0)  # a stall: clipped to 4x
-    assert fresh.step_cost(1, 2, None) == pytest.approx(0.08)
-    assert fresh.step_cost(1, 4, None) == pytest.approx(0.04 * (2 + 4) / 2)
+    prior = CALIBRATION_PRIOR_STEPS
+    fresh.observe_step(1, 1, 0, 0.02)  # ratio 2, averaged with 1.0 (nothing seen yet)
+    one = (prior * 1.0 + 2.0) / (prior + 1)
+    assert fresh.step_cost(1, 1, None) == pytest.approx(0.01 * one)
+    fresh.observe_step(1, 2, 0, 1.0)  # a stall: clipped to 4x, and averaged with block 1's ratio
+    two = (prior * one + 4.0) / (prior + 1)
+    assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * two)
+    assert fresh.step_cost(1, 4, None) == pytest.approx(0.04 * (one + two) / 2)
     fresh.observe_step(1, 2, 0, 0.5, caught_up=33)  # the drafter catching up on 32 block-1 steps' features
-    assert fresh.step_cost(1, 2, None) == pytest.approx(0.08)  # not this block's cost: not calibrated
+    assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * two)  # not this block's cost: not calibrated
     fresh.observe_step(1, 2, 0, 0.01, caught_up=4)  # a steady drafting step is
-    assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * (4 + 0.5) / 2)
+    assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * (two + (0.5 - two) / (prior + 2)))
+
+
+def test_the_pool_shrinks_later_positions_towards_the_one_before():
+    """Position 3 is reached rarely; its few drafts are shrunk towards position 2's estimate, not the
+    prior: an optimistic prior there had the policy expect a quarter more tokens from block 4 than it got."""
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.9, min_drafts=8)
+    policy.choose([fake_request([0.3, 0.2, 0.2], drafts=400, block=4)], [4])
+    pooled = policy.pooled_acceptance(3)
+    assert pooled[0] == pytest.approx(0.3, abs=0.05)  # 400 drafts outweigh the prior
+    assert pooled[2] < 0.3  # few drafts reach it: near position 2, far from 0.9
+    assert shrunk_acceptance([120, 24, 5], [400, 120, 24], [0.9] * 3, 8)[2] > 0.3  # unchained: pulled to the prior
 
 
 def test_cost_model_interpolates_piecewise_linearly():
