@@ -4,7 +4,6 @@ same prompts, weights and settings in one process; it prints a table and writes 
 It owns the method adapters, the timing and the comparison metrics; models come from engine.loading.
 """
 
-import copy
 import json
 import os
 import platform
@@ -180,7 +179,7 @@ def setup(cfg: BenchConfig, prompts: list[Prompt], tmp: Path) -> Setup:
     block_size = cfg.block_size or (drafter.config.block_size if drafter is not None else 1)
     ours = drafter
     if cfg.int8_drafter:
-        ours = quantize_int8(copy.deepcopy(drafter))
+        ours = quantize_int8(drafter, copy=True)
         notes.append("--int8-drafter: our methods use the int8 drafter; zlab uses the unquantised weights")
     if cfg.denoising_steps > 1:
         notes.append(f"--denoising-steps {cfg.denoising_steps}: zlab always runs one denoising pass")

@@ -6,6 +6,7 @@ It owns the defaults: the default target model, the shipped drafter when one exi
 
 import json
 import warnings
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,8 +52,11 @@ def random_drafter(target_config, seed=0, num_layers=1, block_size=16) -> Drafte
     return Drafter(DrafterConfig.for_target(target_config, num_layers, MASK_TOKEN_ID, block_size))
 
 
-def quantize_int8(drafter: Drafter) -> Drafter:
-    """Dynamic int8 quantisation of the drafter's linear layers (CPU, float32 activations)."""
+def quantize_int8(drafter: Drafter, copy: bool = False) -> Drafter:
+    """Dynamic int8 quantisation of the drafter's linear layers (CPU, float32 activations).
+    `copy`: quantise a copy and leave `drafter` as it is."""
+    if copy:  # oneDNN-packed weights cannot be deep-copied; the copy's are dropped below anyway
+        drafter = deepcopy(drafter, {id(m.packed): None for m in drafter.modules() if getattr(m, "packed", None) is not None})
     drafter = drafter.float()
     for m in drafter.modules():
         if isinstance(m, Linear):

@@ -175,7 +175,7 @@ class Linear(nn.Linear):
         n = rows.shape[0]
         one_as_two = n == 1 and rows.dtype == torch.bfloat16
         out = torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1) if one_as_two else rows, self.packed, self.bias, "none", [], "")
-        return out[:n].view(*x.shape[:-1], -1)
+        return out[:n].view(*x.shape[:-1], self.out_features)
 
 
 def pack_linears(model: nn.Module) -> nn.Module:

@@ -145,6 +145,15 @@ def test_generate_streams_text_and_stats():
         assert line in result.stderr
 
 
+def test_bench_int8_drafter():
+    """The int8 drafter is a quantised copy of the loaded (oneDNN-packed) one: a deep copy of packed
+    weights used to fail (`Cannot access storage of OpaqueTensorImpl`)."""
+    result = run_cli("bench", "--methods", "ar,dflash", "--int8-drafter", "--num-prompts", "1", "--max-new-tokens", "8",
+                     "--block-sizes", "4", "--dtype", "float32", "--draft", "random")
+    assert result.returncode == 0, result.stderr
+    assert "--int8-drafter: our methods use the int8 drafter" in result.stdout
+
+
 @pytest.mark.slow
 def test_bench_json_plot_and_exactness(tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "out.png"

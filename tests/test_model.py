@@ -259,7 +259,7 @@ def test_default_model_matches_transformers():
 def test_packed_linears_match_plain_ones(checkpoint, dtype, tol):
     """On a CPU, load_target packs the linear layers for oneDNN (float32, and bf16 where oneDNN runs it):
     a batch of 3 rows x 4 positions gives the logits of the same model with packing off, within the
-    dtype's rounding; one-row inputs give F.linear's result; grad mode uses the plain weights."""
+    dtype's rounding; one-row inputs give F.linear's result, zero-row ones an empty output; grad mode uses the plain weights."""
     from engine.model import Linear, can_pack
 
     if not can_pack(dtype, "cpu"):
@@ -281,6 +281,8 @@ def test_packed_linears_match_plain_ones(checkpoint, dtype, tol):
         one = torch.randn(1, 1, layer.in_features, dtype=dtype)
         torch.testing.assert_close(layer(one), torch.nn.functional.linear(one, layer.weight, layer.bias),
                                    atol=tol, rtol=tol)
+        # no rows at all (a second denoising pass has no new context features)
+        assert layer(torch.randn(1, 0, layer.in_features, dtype=dtype)).shape == (1, 0, layer.out_features)
     x = torch.randn(2, layer.in_features, dtype=dtype, requires_grad=True)
     layer(x).sum().backward()  # grad mode: the plain weight, with a backward
     assert x.grad is not None
