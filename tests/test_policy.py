@@ -229,7 +229,7 @@ def test_observed_step_times_calibrate_the_choice():
 
 def test_the_pool_shrinks_later_positions_towards_the_one_before():
     """Position 3 is reached rarely; its few drafts are shrunk towards position 2's estimate, not the
-    prior: an optimistic prior there had the policy expect a quarter more tokens from block 4 than it got."""
+    prior (an optimistic prior there inflated what block 4 was expected to give)."""
     policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.9, min_drafts=8)
     policy.choose([fake_request([0.3, 0.2, 0.2], drafts=400, block=4)], [4])
     pooled = policy.pooled_acceptance(3)
