@@ -79,7 +79,7 @@ def _bracket(grid, x):
 
 
 # Bumped when the engine's step costs change: tables saved before are profiled again.
-COST_MODEL_VERSION = 5
+COST_MODEL_VERSION = 6
 
 PROFILE_CONTEXTS = (32, 256, 1024)  # cached positions per row: chat (~100-300) to RAG (~700-1000) prompts
 
@@ -173,7 +173,11 @@ class CostModel:
                 contexts=PROFILE_CONTEXTS, repeats=3) -> "CostModel":
         """Time real engine steps: the fastest of `repeats` after one warm-up, per grid point and
         context (on a shared machine the fastest run is the step's own cost; a median of few runs
-        was noise).
+        was noise). The repeats go round the whole grid in turn, not one grid point after another:
+        a slow spell of the machine then spoils one repeat of many points, not all repeats of a few.
+        (Back to back, three profiles of the same models on a noisy host gave 20.6 / 20.4 / 27.7 ms
+        for block 2 at batch 1 and 256 positions, and the trim, which reads the table as it is, cut
+        drafts in one run and not in the next.)
 
         Each step mirrors Engine.draft + Engine.verify on the greedy path: for b > 1 the drafter
         reads b context features (the most a step can leave pending) plus the block, then the
@@ -194,25 +198,31 @@ class CostModel:
         batch_sizes, block_sizes, contexts = sorted(set(batch_sizes)), sorted(set(block_sizes)), sorted(set(contexts))
         slots, max_len = max(batch_sizes), max(contexts) + max(block_sizes)
         caches = (target.new_cache(slots, max_len), drafter.new_cache(slots, max_len) if drafter is not None else None)
-        steps = [[[[_fastest(step, target.device, repeats) for step in _scratch_step(target, drafter, caches, n, b, ctx)]
-                   for b in block_sizes] for n in batch_sizes] for ctx in contexts]  # [context][batch][block][draft, verify]
+        closures = [step for ctx in contexts for n in batch_sizes for b in block_sizes
+                    for step in _scratch_step(target, drafter, caches, n, b, ctx)]
+        times = iter(_fastest(closures, target.device, repeats))
+        steps = [[[[next(times), next(times)] for b in block_sizes] for n in batch_sizes]
+                 for ctx in contexts]  # [context][batch][block][draft, verify]
         seconds = [[[d + v for d, v in row] for row in table] for table in steps]
         draft_seconds = [[[d for d, _ in row] for row in table] for table in steps]
         return cls(batch_sizes, block_sizes, seconds, describe(target, drafter), contexts, draft_seconds)
 
 
-def _fastest(step, device, repeats) -> float:
-    """Fastest seconds of `step` over `repeats`, after a warm-up (the first call of a shape allocates)."""
+def _fastest(steps, device, repeats) -> list[float]:
+    """Fastest seconds of each of `steps` over `repeats` rounds through all of them, after a warm-up
+    call of each (the first call of a shape allocates)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    step()
-    times = []
-    for _ in range(max(1, repeats)):
-        sync()
-        start = time.perf_counter()
+    for step in steps:
         step()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    fastest = [float("inf")] * len(steps)
+    for _ in range(max(1, repeats)):
+        for i, step in enumerate(steps):
+            sync()
+            start = time.perf_counter()
+            step()
+            sync()
+            fastest[i] = min(fastest[i], time.perf_counter() - start)
+    return fastest
 
 
 def describe(target, drafter) -> dict:
