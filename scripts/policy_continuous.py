@@ -47,20 +47,31 @@ def counting(choose, chosen: collections.Counter):
     return wrapped
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse(description, batch, variants, variants_help):
+    """The two policy scripts' command line: scenario, batch, prompts, variants, dtype."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--scenario", default="chat", choices=("chat", "rag"))
-    ap.add_argument("--batch", type=int, default=16, help="requests kept running")
+    ap.add_argument("--batch", type=int, default=batch, help="requests kept running")
     ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--variants", default="b2,adaptive,adaptive-notrim", help="comma list of b<N>, adaptive, adaptive-notrim")
+    ap.add_argument("--variants", default=variants, help=variants_help)
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     if args.batch < 1 or args.prompts < 1:
         ap.error("--batch and --prompts must be >= 1")
+    return ap, args
+
+
+def setup(args):
+    """The default model and drafter, the scenario's prompts as token ids, and a profiled adaptive policy."""
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
     prompts = [chat(t).token_ids(loaded.tokenizer) for t in first_turns(args.scenario, args.prompts)]
-    profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=args.batch)
+    return loaded, prompts, AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=max(args.batch, 2))
+
+
+def main():
+    ap, args = parse(__doc__.split("\n")[0], 16, "b2,adaptive,adaptive-notrim", "comma list of b<N>, adaptive, adaptive-notrim")
+    loaded, prompts, profiled = setup(args)
     for name in args.variants.split(","):
         if name.startswith("b") and name[1:].isdigit():
             policy = FixedBlockPolicy(int(name[1:]))

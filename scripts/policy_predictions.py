@@ -10,21 +10,14 @@ against the observed conditional acceptance. Only full-batch steps that are not 
 A bias on either side shows as predicted / real far from 1 for the block the variant runs.
 """
 
-import argparse
 import collections
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.engine import Engine, SamplingParams  # noqa: E402
-from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, BlockPolicy, expected_tokens  # noqa: E402
-from engine.prompts import chat  # noqa: E402
-from loadtest.scenarios import first_turns  # noqa: E402
+from policy_continuous import parse, run, setup  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
 BLOCKS = (1, 2, 4, 8)
 
@@ -94,34 +87,15 @@ def report(name, steps, batch):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--scenario", default="chat", choices=("chat", "rag"))
-    ap.add_argument("--batch", type=int, default=4, help="requests kept running")
-    ap.add_argument("--prompts", type=int, default=48)
-    ap.add_argument("--variants", default="b1,b2,b4,adaptive", help="comma list of b<N> and adaptive")
-    ap.add_argument("--dtype", default="auto")
-    args = ap.parse_args()
-    if args.batch < 1 or args.prompts < 1:
-        ap.error("--batch and --prompts must be >= 1")
-    torch.set_num_threads(1)
-    loaded = load(None, "default", args.dtype, "cpu")
-    prompts = [chat(t).token_ids(loaded.tokenizer) for t in first_turns(args.scenario, args.prompts)]
-    profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=max(args.batch, 2))
+    ap, args = parse(__doc__.split("\n")[0], 4, "b1,b2,b4,adaptive", "comma list of b<N> and adaptive")
+    loaded, prompts, profiled = setup(args)
     for name in args.variants.split(","):
         if name != "adaptive" and not (name.startswith("b") and name[1:].isdigit() and int(name[1:]) >= 1):
             ap.error(f"--variants: unknown variant {name!r}")
         policy = Shadowed(None if name == "adaptive" else int(name[1:]),
                           AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes))
-        engine = Engine(loaded.target, loaded.drafter, max_slots=args.batch, max_len=2048, policy=policy,
-                        stop_token_ids=stop_token_ids(loaded.target_path))
-        queue, done, start = list(prompts), [], time.perf_counter()
-        while queue or engine.num_running:
-            while queue and engine.num_running < args.batch:
-                done.append(engine.add_request(queue.pop(0), SamplingParams(max_tokens=64)))
-            engine.step()
-        seconds = time.perf_counter() - start
-        print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, "
-              f"{sum(len(r.output_ids) for r in done) / seconds:.1f} tok/s")
+        seconds, tokens, _ = run(loaded, policy, prompts, args.batch)
+        print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s")
         report(name, policy.steps, args.batch)
 
 
