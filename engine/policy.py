@@ -523,18 +523,12 @@ class AdaptiveBlockPolicy(BlockPolicy):
         max_cap = max(caps)
         if max_cap == 1:
             return [1] * len(caps)
-        context = self._context(requests)
-        pooled = self.pooled_acceptance(max_cap - 1)
-        expected = [expected_tokens(self.acceptance(r, cap - 1, pooled)) for r, cap in zip(requests, caps)]
+        # candidates up to the first block >= every cap: bigger ones give the same sizes
+        candidates = self.block_sizes[: bisect.bisect_left(self.block_sizes, max_cap) + 1]
         best, best_rate = 1, -1.0
-        for b in self.block_sizes:
-            sizes = [min(b, cap) for cap in caps]
-            seconds = self.step_cost(len(caps), max(sizes), context)
-            rate = sum(e[s - 1] for e, s in zip(expected, sizes)) / seconds
-            if rate > best_rate:
-                best, best_rate = b, rate
-            if b >= max_cap:  # bigger candidates give the same sizes
-                break
+        for b, (tokens, seconds) in self.outlook(requests, caps, candidates).items():
+            if tokens / seconds > best_rate:
+                best, best_rate = b, tokens / seconds
         if best > 1:
             self._steps_at_1, self._explore_interval = 0, self.explore_every
         else:
@@ -544,6 +538,18 @@ class AdaptiveBlockPolicy(BlockPolicy):
                 self._explore_interval = min(2 * self._explore_interval, MAX_EXPLORE_BACKOFF * self.explore_every)
         self.last_choice = (best, best_rate)
         return [min(best, cap) for cap in caps]
+
+    def outlook(self, requests, caps, blocks) -> dict[int, tuple[float, float]]:
+        """Per block b of `blocks`: the step's expected committed tokens (request i verifying min(b, cap_i))
+        and the seconds it is expected to take."""
+        context = self._context(requests)
+        pooled = self.pooled_acceptance(max(caps) - 1)
+        expected = [expected_tokens(self.acceptance(r, cap - 1, pooled)) for r, cap in zip(requests, caps)]
+        out = {}
+        for b in blocks:
+            sizes = [min(b, cap) for cap in caps]
+            out[b] = (sum(e[s - 1] for e, s in zip(expected, sizes)), self.step_cost(len(caps), max(sizes), context))
+        return out
 
     def trim(self, requests, block_sizes, confidence, context):
         batch, block = len(requests), max(block_sizes)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.policy import AdaptiveBlockPolicy, BlockPolicy, expected_tokens  # noqa: E402
+from engine.policy import AdaptiveBlockPolicy, BlockPolicy  # noqa: E402
 from policy_continuous import parse, run, setup  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
 BLOCKS = (1, 2, 4, 8)
@@ -30,20 +30,11 @@ class Shadowed(BlockPolicy):
         self.block, self.shadow, self.steps, self.step = block, shadow, [], {}
 
     def choose(self, requests, caps):
-        if self.block is None:
-            sizes = self.shadow.choose(requests, caps)
-        else:
-            self.shadow._update_pool(requests)
+        sizes = self.shadow.choose(requests, caps)  # also adds the requests' new drafts to its pool
+        if self.block is not None:
             sizes = [min(self.block, cap) for cap in caps]
-        context, pooled = self.shadow._context(requests), self.shadow.pooled_acceptance(max(max(caps) - 1, 3))
-        expected = [expected_tokens(self.shadow.acceptance(r, cap - 1, pooled)) for r, cap in zip(requests, caps)]
-        predicted = {}
-        for b in BLOCKS:
-            capped = [min(b, cap) for cap in caps]
-            predicted[b] = (sum(e[s - 1] for e, s in zip(expected, capped)),
-                            self.shadow.step_cost(len(caps), max(capped), context))
-        self.step = {"block": max(sizes), "batch": len(caps), "predicted": predicted, "tokens": len(caps),
-                     "estimates": [self.shadow.acceptance(r, 3, pooled) for r in requests]}
+        self.step = {"block": max(sizes), "batch": len(caps), "predicted": self.shadow.outlook(requests, caps, BLOCKS),
+                     "tokens": len(caps), "estimates": [self.shadow.acceptance(r, 3) for r in requests]}
         return sizes
 
     def trim(self, requests, block_sizes, confidence, context):
