@@ -22,6 +22,7 @@ under load at a time, each replica runs 1 torch thread, and the load generator u
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -254,6 +255,53 @@ def comparisons(results: dict) -> dict:
     return out
 
 
+def geomean_interval(ratios: list[float], resamples: int = 10_000) -> dict:
+    """Geometric mean of ratios with a 95% percentile-bootstrap interval (seeded: the same runs give the
+    same interval)."""
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return {"n": len(logs), "geomean": math.exp(statistics.fmean(logs)),
+            "low": math.exp(means[int(0.025 * resamples)]), "high": math.exp(means[int(0.975 * resamples) - 1])}
+
+
+def pooled(results: dict) -> dict | None:
+    """Adaptive's tok/s over every paired repeat of every scenario and load, against
+    - same_repeat: the best fixed block of the same repeat. This favours the fixed blocks: the best of
+      several noisy runs picks up their noise (a variant equal to the fixed ones would lose);
+    - chosen_ahead: the fixed block that was best in the cell's other repeats, measured in this one: a
+      block chosen before the run, as an operator would choose one;
+    - one_block: the fixed block that is best over all scenarios and loads together, a server's one setting;
+    - ar: the server without speculation."""
+    same, ahead, ar, by_block = [], [], [], {}
+    for by_users in results.values():
+        for cells in by_users.values():
+            fixed = [v for v in cells if variant_block(v)]
+            runs = {v: cells[v].get("tokens_per_s_runs") for v in ["adaptive", "ar", *fixed] if v in cells}
+            if "adaptive" not in runs or not fixed or not all(runs.values()) or len({len(r) for r in runs.values()}) != 1:
+                continue
+            n = len(runs["adaptive"])
+            for i in range(n):
+                a = runs["adaptive"][i]
+                same.append(ratio(a, max(runs[v][i] for v in fixed)))
+                choice = max(fixed, key=lambda v: sum(runs[v][j] for j in range(n) if j != i))
+                ahead.append(ratio(a, runs[choice][i]))
+                for v in fixed:
+                    by_block.setdefault(v, []).append(ratio(a, runs[v][i]))
+                if "ar" in runs:
+                    ar.append(ratio(a, runs["ar"][i]))
+    if len(same) < 2 or not all(same + ahead + ar):
+        return None
+    one = {v: geomean_interval(r) for v, r in by_block.items() if len(r) == len(same)}
+    out = {"same_repeat": geomean_interval(same), "chosen_ahead": geomean_interval(ahead)}
+    if one:
+        best = min(one, key=lambda v: one[v]["geomean"])
+        out["one_block"] = {**one[best], "block": best}
+    if ar:
+        out["ar"] = geomean_interval(ar)
+    return out
+
+
 def fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
@@ -299,6 +347,17 @@ def markdown(report: dict) -> str:
             lines += ["Valid JSON replies (tool calls and answers): " + "; ".join(
                 f"{u} users {v} {c['valid_json']}/{c['json_expected']}" for u, cells in agent
                 for v, c in cells.items()), ""]
+    pool = report.get("pooled")
+    if pool:
+        names = {"same_repeat": "the best fixed block of the same repeat",
+                 "chosen_ahead": "the fixed block best in the cell's other repeats (chosen ahead)",
+                 "one_block": "the one fixed block best over all scenarios and loads", "ar": "AR"}
+        lines += ["## All scenarios and loads", "", f"Adaptive's tok/s over every paired repeat ({pool['same_repeat']['n']} "
+                  "runs; geometric mean, 95% bootstrap interval):", ""]
+        lines += [f"- over {names[k]}{' (' + g['block'] + ')' if 'block' in g else ''}: {fmt(g['geomean'], '.3f')}x "
+                  f"({fmt(g['low'], '.3f')}-{fmt(g['high'], '.3f')})" for k, g in pool.items()]
+        lines += ["", "The best fixed block of a repeat is the best of several noisy runs, which favours it; a block "
+                  "chosen ahead is what a server would run without adapting.", ""]
     failures = sum(cell["failures"] for by_users in report["results"].values() for cells in by_users.values()
                    for cell in cells.values())
     lines += [f"Failures in all runs: {failures}.", ""]
@@ -417,7 +476,8 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
     machine = bench_serve.machine()
     report = {"config": asdict(cfg), "server": f"{server}; {info}", "locust_version": version("locust"),
               "machine": f"{machine['cpu_count']} CPUs, torch {machine['torch']}, Python {machine['python']}",
-              "results": results, "comparisons": comparisons(results)}
+              "results": results, "comparisons": comparisons(results),
+              "pooled": pooled(results)}
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "report.md").write_text(markdown(report) + "\n![load test](loadtest.png)\n")
     plot(report, out / "loadtest.png")

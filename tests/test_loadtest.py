@@ -4,6 +4,7 @@ against real server apps on the session's Ray cluster (speculation off, a fixed 
 with the report it writes. Flag checks need no cluster."""
 
 import json
+import math
 
 import pytest
 
@@ -73,6 +74,29 @@ def test_adaptive_is_compared_repeat_by_repeat():
     row = comparisons({"chat": {4: cells}})["chat"][4]
     assert row["best_fixed"] == "b4" and row["adaptive_vs_best_fixed"] == 1.0  # medians: 11 against 11
     assert row["adaptive_vs_best_fixed_by_repeat"] == [1.0, 12 / 13, 11 / 12]  # each repeat's own best fixed block
+
+
+def test_pooled_over_repeats_against_blocks_chosen_three_ways():
+    from loadtest.run import pooled
+
+    def cell(runs):
+        return {"tokens_per_s_runs": runs}
+
+    results = {"chat": {1: {"ar": cell([5, 5, 5]), "b2": cell([9, 13, 10]), "b4": cell([10, 11, 12]),
+                            "adaptive": cell([10, 12, 11])}},
+               "rag": {1: {"ar": cell([4, 4]), "b2": cell([8, 8]), "b4": cell([4, 4]), "adaptive": cell([8, 8])}}}
+    pool = pooled(results)
+    geo = lambda xs: math.prod(xs) ** (1 / len(xs))  # noqa: E731
+    assert pool["same_repeat"]["n"] == 5
+    assert pool["same_repeat"]["geomean"] == pytest.approx(geo([10 / 10, 12 / 13, 11 / 12, 1, 1]))
+    # chat, from the other two repeats: b2 23 = b4 23 (the first listed wins ties), b4 22 > b2 19, b2 22 > b4 21
+    assert pool["chosen_ahead"]["geomean"] == pytest.approx(geo([10 / 9, 12 / 11, 11 / 10, 1, 1]))
+    assert pool["one_block"]["block"] == "b2"
+    assert pool["one_block"]["geomean"] == pytest.approx(geo([10 / 9, 12 / 13, 11 / 10, 1, 1]))
+    assert pool["ar"]["geomean"] == pytest.approx(geo([2, 12 / 5, 11 / 5, 2, 2]))
+    for g in pool.values():
+        assert g["low"] <= g["geomean"] <= g["high"]
+    assert pooled({"chat": {1: {"b2": cell([1, 2]), "adaptive": cell([1])}}}) is None  # unpaired repeats
 
 
 def test_resume_reads_finished_runs_and_refuses_other_flags(tmp_path):
