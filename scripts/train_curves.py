@@ -3,7 +3,9 @@
     python scripts/train_curves.py --out docs/train/data-size \
         "768 prompts=docs/train/main-768/evals.json" "3,072 prompts=docs/train/main/evals.json"
 
-Each run is LABEL=PATH, PATH being a run's log.jsonl or an evals.json (its held-out evaluations).
+Each run is LABEL=PATH, PATH being a run's log.jsonl or an evals.json (its held-out evaluations);
+LABEL=PATH1+PATH2 chains a run and one started from its drafter (`train --init`): the second run's
+CPU time counts on from the first's end, and its evaluation at step 0 (the same drafter) is dropped.
 Writes curves.md (tau at common CPU-minutes, best tau and where, and (tau - 1) relative to the first
 run) and curves.png.
 """
@@ -18,6 +20,14 @@ def load_evals(path: Path) -> list[dict]:
         entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return [e for e in entries if e.get("eval")]
     return json.loads(path.read_text())
+
+
+def chain(parts: list[list[dict]]) -> list[dict]:
+    evals = list(parts[0])
+    for part in parts[1:]:
+        offset = evals[-1]["cpu_seconds"]
+        evals += [{**e, "cpu_seconds": e["cpu_seconds"] + offset} for e in part if e["step"] > 0]
+    return evals
 
 
 def tau_at(evals: list[dict], cpu_minutes: float) -> float | None:
@@ -71,13 +81,15 @@ def main():
     args = p.parse_args()
     runs = {}
     for spec in args.runs:
-        label, sep, path = spec.partition("=")
-        if not sep or not Path(path).is_file():
-            p.error(f"run {spec!r}: expected LABEL=PATH to a log.jsonl or evals.json that exists")
-        evals = load_evals(Path(path))
-        if not evals:
-            p.error(f"run {spec!r}: no held-out evaluations in {path}")
-        runs[label] = evals
+        label, sep, paths = spec.partition("=")
+        parts = []
+        for path in paths.split("+"):
+            if not sep or not Path(path).is_file():
+                p.error(f"run {spec!r}: expected LABEL=PATH[+PATH] to log.jsonl or evals.json files that exist")
+            parts.append(load_evals(Path(path)))
+            if not parts[-1]:
+                p.error(f"run {spec!r}: no held-out evaluations in {path}")
+        runs[label] = chain(parts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_table(runs, [float(x) for x in args.points.split(",")], out / "curves.md")

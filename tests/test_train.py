@@ -327,3 +327,21 @@ def test_shipped_drafter_is_the_default_and_zlab_agrees(tmp_path):
         assert ours["output_ids"] == ref["output_ids"]
         assert ours["acceptance_lengths"] == ref["acceptance_lengths"]
     assert methods["dflash"]["tau"] > 1.05  # a trained drafter: drafts are accepted
+
+
+def test_train_curves_chain_a_run_and_its_continuation(tmp_path):
+    """scripts/train_curves.py: a run started from another's drafter (--init) counts its CPU time on from
+    the first run's end, without its step-0 evaluation (the same drafter as the first run's last)."""
+    first = [{"step": 0, "cpu_seconds": 0.0, "tau": 1.0}, {"step": 400, "cpu_seconds": 600.0, "tau": 1.5}]
+    second = [{"step": 0, "cpu_seconds": 0.0, "tau": 1.5}, {"step": 400, "cpu_seconds": 300.0, "tau": 1.7}]
+    for name, evals in (("a.json", first), ("b.json", second)):
+        (tmp_path / name).write_text(json.dumps(evals))
+    out = tmp_path / "curves"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(out), "--points", "10,15",
+                    f"chained={tmp_path / 'a.json'}+{tmp_path / 'b.json'}"], check=True, capture_output=True)
+    table = (out / "curves.md").read_text()
+    assert "| chained | 1.500 | 1.700 | 1.700 (15) |" in table
+    assert (out / "curves.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(out),
+                          f"x={tmp_path / 'a.json'}+{tmp_path / 'missing.json'}"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "LABEL=PATH[+PATH]" in bad.stderr
