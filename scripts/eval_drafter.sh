@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default drafter's figures, each a `dflash-serve bench` run with everything side by side in
 # one process, on held-out prompts never used in training. Writes docs/bench/drafter-*.{txt,json,png}.
-# About 12 minutes on 2 cores; run it alone (other processes on the cores distort the timings).
+# About 15 minutes on 2 cores; run it alone (other processes on the cores distort the timings).
 # DFLASH_DTYPE (default bfloat16) and DFLASH_BENCH_OUT (default docs/bench) choose the dtype and folder:
 # DFLASH_DTYPE=float32 DFLASH_BENCH_OUT=docs/bench/fp32 for a CPU without native bf16.
 set -euo pipefail
@@ -12,8 +12,10 @@ mkdir -p "$out"
 bench() { name=$1; shift; .venv/bin/dflash-serve bench --json "$out/drafter-$name.json" "$@" | tee "$out/drafter-$name.txt"; }
 chat=(--prompts docs/train/held-out-chat.jsonl --num-prompts 6 --max-new-tokens 96 --dtype "$dtype")
 code=(--prompts docs/train/held-out-code.jsonl --num-prompts 6 --max-new-tokens 96 --dtype "$dtype")
-bench chat "${chat[@]}" --methods hf,ar,dflash,dflash-adaptive --block-sizes 2,4,8 --plot "$out/drafter-chat.png"
-bench code "${code[@]}" --methods hf,ar,dflash,dflash-adaptive --block-sizes 2,4,8 --plot "$out/drafter-code.png"
+# the headline lines on 12 prompts (the last --num-prompts wins): in bf16 the block size changes the text,
+# so each method's tok/s is over somewhat different replies and 6 prompts left adaptive vs fixed to chance
+bench chat "${chat[@]}" --num-prompts 12 --methods hf,ar,dflash,dflash-adaptive --block-sizes 2,4,8 --plot "$out/drafter-chat.png"
+bench code "${code[@]}" --num-prompts 12 --methods hf,ar,dflash,dflash-adaptive --block-sizes 2,4,8 --plot "$out/drafter-code.png"
 # z-lab's DFlashDraftModel loads the shipped checkpoint; float32, full head: same output and tau
 bench zlab --prompts docs/train/held-out-chat.jsonl --num-prompts 3 --max-new-tokens 48 --dtype float32 --methods dflash,zlab --full-draft-head
 bench t1 "${chat[@]}" --methods ar,dflash --temperature 1.0 --seed 0

@@ -12,6 +12,7 @@ run) and curves.png.
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -38,7 +39,31 @@ def tau_at(evals: list[dict], cpu_minutes: float) -> float | None:
     return before[-1]["tau"] if before else None
 
 
-def write_table(runs: dict[str, list[dict]], points: list[float], path: Path):
+def power_fit(evals: list[dict], from_minutes: float) -> tuple[float, float]:
+    """Least squares of log(tau - 1) = a + k log(CPU-minutes) over the evaluations from `from_minutes` on:
+    returns (a, k). A straight line on log-log axes; an extrapolation, not a law."""
+    pts = [(math.log(e["cpu_seconds"] / 60), math.log(e["tau"] - 1)) for e in evals
+           if e["cpu_seconds"] >= from_minutes * 60 and e["tau"] > 1]
+    if len(pts) < 3:
+        raise ValueError(f"fewer than 3 evaluations after {from_minutes:g} CPU-minutes to fit")
+    mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+    k = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    return my - k * mx, k
+
+
+def projection(evals: list[dict], from_minutes: float, targets: list[float]) -> list[str]:
+    a, k = power_fit(evals, from_minutes)
+    lines = [f"Fit over the evaluations from {from_minutes:g} CPU-minutes on: tau - 1 = {math.exp(a):.3g} x "
+             f"CPU-minutes^{k:.2f}."]
+    for t in targets:
+        if k <= 0:
+            lines.append(f"tau {t:g}: not reached (the fit does not rise)")
+        else:
+            lines.append(f"tau {t:g}: at ~{math.exp((math.log(t - 1) - a) / k) / 60:.0f} CPU-hours")
+    return lines
+
+
+def write_table(runs: dict[str, list[dict]], points: list[float], path: Path, extra: list[str] = ()):
     first = next(iter(runs))
     lines = ["Held-out greedy tau (block 16) after N process CPU-minutes of training "
              "(the last evaluation at or before N).", "",
@@ -53,6 +78,8 @@ def write_table(runs: dict[str, list[dict]], points: list[float], path: Path):
         best = max(evals, key=lambda e: e["tau"])
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {best['tau']:.3f} ({best['cpu_seconds'] / 60:.0f}) |")
     lines += ["", f"(In brackets: accepted drafts per step, tau - 1, relative to `{first}` at the same CPU time.)"]
+    if extra:
+        lines += ["", *extra]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -78,6 +105,9 @@ def main():
     p.add_argument("runs", nargs="+", metavar="LABEL=PATH")
     p.add_argument("--out", required=True, help="folder for curves.md and curves.png")
     p.add_argument("--points", default="10,20,30,40,50,60,80,100,120", help="CPU-minutes to tabulate")
+    p.add_argument("--project", metavar="TAUS", help="comma list of tau targets: fit the last run's curve "
+                   "(tau - 1 as a power of CPU time) and say when it would reach them")
+    p.add_argument("--fit-from", type=float, default=20.0, help="CPU-minutes where that fit starts (default 20)")
     args = p.parse_args()
     runs = {}
     for spec in args.runs:
@@ -92,7 +122,15 @@ def main():
         runs[label] = chain(parts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_table(runs, [float(x) for x in args.points.split(",")], out / "curves.md")
+    extra = []
+    if args.project:
+        label = list(runs)[-1]
+        try:
+            extra = [f"Projection for `{label}` (a power law through its curve):", "",
+                     *projection(runs[label], args.fit_from, [float(t) for t in args.project.split(",")])]
+        except ValueError as e:
+            p.error(f"--project: {e}")
+    write_table(runs, [float(x) for x in args.points.split(",")], out / "curves.md", extra)
     plot(runs, out / "curves.png")
     print((out / "curves.md").read_text())
 

@@ -345,3 +345,16 @@ def test_train_curves_chain_a_run_and_its_continuation(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(out),
                           f"x={tmp_path / 'a.json'}+{tmp_path / 'missing.json'}"], capture_output=True, text=True)
     assert bad.returncode == 2 and "LABEL=PATH[+PATH]" in bad.stderr
+
+
+def test_train_curves_projection_fits_a_power_law(tmp_path):
+    """--project: tau - 1 = 0.1 x CPU-minutes^0.5 exactly reaches tau 2.5 at 225 CPU-minutes (~4 hours)."""
+    evals = [{"step": i, "cpu_seconds": m * 60.0, "tau": 1 + 0.1 * m ** 0.5} for i, m in enumerate((10, 20, 40, 80))]
+    (tmp_path / "e.json").write_text(json.dumps(evals))
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(tmp_path / "c"),
+                          "--project", "2.5", "--fit-from", "10", f"r={tmp_path / 'e.json'}"],
+                         capture_output=True, text=True, check=True)
+    assert "CPU-minutes^0.50" in run.stdout and "tau 2.5: at ~4 CPU-hours" in run.stdout
+    few = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(tmp_path / "c"),
+                          "--project", "2.5", "--fit-from", "50", f"r={tmp_path / 'e.json'}"], capture_output=True, text=True)
+    assert few.returncode == 2 and "fewer than 3 evaluations" in few.stderr
