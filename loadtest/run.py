@@ -277,19 +277,20 @@ def pooled(results: dict) -> dict | None:
     for by_users in results.values():
         for cells in by_users.values():
             fixed = [v for v in cells if variant_block(v)]
-            runs = {v: cells[v].get("tokens_per_s_runs") for v in ["adaptive", "ar", *fixed] if v in cells}
-            if "adaptive" not in runs or not fixed or not all(runs.values()) or len({len(r) for r in runs.values()}) != 1:
+            paired = paired_ratios(cells, fixed) if "adaptive" in cells and fixed else None
+            if not paired:
                 continue
-            n = len(runs["adaptive"])
-            for i in range(n):
-                a = runs["adaptive"][i]
-                same.append(ratio(a, max(runs[v][i] for v in fixed)))
+            same += paired
+            runs = {v: cells[v]["tokens_per_s_runs"] for v in ["adaptive", *fixed]}
+            ar_runs = cells.get("ar", {}).get("tokens_per_s_runs")
+            n = len(paired)
+            for i, a in enumerate(runs["adaptive"]):
                 choice = max(fixed, key=lambda v: sum(runs[v][j] for j in range(n) if j != i))
                 ahead.append(ratio(a, runs[choice][i]))
                 for v in fixed:
                     by_block.setdefault(v, []).append(ratio(a, runs[v][i]))
-                if "ar" in runs:
-                    ar.append(ratio(a, runs["ar"][i]))
+                if ar_runs and len(ar_runs) == n:
+                    ar.append(ratio(a, ar_runs[i]))
     if len(same) < 2 or not all(same + ahead + ar):
         return None
     one = {v: geomean_interval(r) for v, r in by_block.items() if len(r) == len(same)}
