@@ -227,11 +227,15 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
         "feature_layers": feature_layers, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
         "max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_prompts": num_prompts,
         "skip_prompts": skip_prompts,
+        # the target's features (and greedy replies) shift with its dtype: a drafter is best judged on held-out
+        # data made in the dtype it will serve in (train warns when its data and held-out differ)
+        "dtype": str(loaded.dtype).removeprefix("torch."),
     }
     meta_path = out / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if {k: v for k, v in old.items() if k != "num_prompts"} != {k: v for k, v in meta.items() if k != "num_prompts"}:
+        same = [k for k in old if k != "num_prompts"]  # folders made before a setting was recorded resume too
+        if {k: old[k] for k in same} != {k: meta.get(k) for k in same}:
             raise ValueError(f"{out} holds data made with other settings ({old}); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")

@@ -12,6 +12,7 @@ Embedding and LM head are the target's, frozen.
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -422,6 +423,10 @@ def setup(cfg: TrainConfig):
 
     data = DrafterData(cfg.data, cfg.feature_layers)
     held_out = DrafterData(cfg.held_out, data.feature_layers) if cfg.held_out else None
+    if held_out and data.meta.get("dtype", "?") != held_out.meta.get("dtype", "?"):
+        print(f"train: warning: the held-out data was made in {held_out.meta.get('dtype', 'an unrecorded dtype')} and "
+              f"the training data in {data.meta.get('dtype', 'an unrecorded dtype')}; the target's features differ "
+              "between dtypes, so held-out tau is not what serving in the training dtype gets", file=sys.stderr)
     target_path = resolve_model_path(cfg.target or data.meta.get("target"))
     target = load_target(target_path, torch.float32)
     torch.manual_seed(cfg.seed)
