@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engine.engine import Engine, SamplingParams
 
 HELD_OUT_PERCENT = 2
+CODE_PROMPT = "Write a Python function"  # how every prompt of the code sources begins
 SOURCES = ("sharegpt", "code")  # the default mix; "code-methods" is a further source of code prompts
 
 
@@ -107,7 +108,7 @@ def _code_prompts() -> tuple[PromptItem, ...]:
             doc = ast.get_docstring(node)
             if not doc:
                 continue
-            text = f"Write a Python function `{node.name}({ast.unparse(node.args)})`. {summary_line(doc)}"
+            text = f"{CODE_PROMPT} `{node.name}({ast.unparse(node.args)})`. {summary_line(doc)}"
             items.append(PromptItem(f"code/{module}.{node.name}", "code", text))
     return tuple(items)
 
@@ -138,7 +139,7 @@ def _method_prompts() -> tuple[PromptItem, ...]:
                                     f"`{node.name}` ({summary}). {doc}")
                             items.append(PromptItem(f"code-methods/{module}.{node.name}.{method.name}", "code-methods", text))
                 elif packages:  # top-level modules' functions are the "code" source
-                    text = f"Write a Python function `{node.name}({ast.unparse(node.args)})`. {summary}"
+                    text = f"{CODE_PROMPT} `{node.name}({ast.unparse(node.args)})`. {summary}"
                     items.append(PromptItem(f"code-methods/{module}.{node.name}", "code-methods", text))
     return tuple(items)
 

@@ -253,6 +253,21 @@ def loss_and_accuracy(hidden, head: torch.Tensor, vocab_map: torch.Tensor | None
 
 
 @torch.no_grad()
+def matched_drafts(drafter, embed, head, s: Sequence, anchors: torch.Tensor, cfg, feature_scale=None, vocab_ids=None):
+    """Greedy drafts of the blocks at `anchors` against the target's tokens: [blocks, B-1] 1 while
+    every draft so far matched, with the full head and (if `vocab_ids`) with a reduced one (else None)."""
+    batch = make_batch([s], [anchors], cfg.block_size, drafter.config.mask_token_id).to(head.device)
+    with autocast(cfg):
+        hidden = train_forward(drafter, embed, batch, feature_scale)
+    hidden = hidden[:, 1:].to(head.dtype)
+    ok = ((hidden @ head.T).argmax(-1) == batch.labels).long().cumprod(-1)
+    if vocab_ids is None:
+        return ok, None
+    drafts = vocab_ids[(hidden @ head[vocab_ids].T).argmax(-1)]
+    return ok, (drafts == batch.labels).long().cumprod(-1)
+
+
+@torch.no_grad()
 def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_ids=None, stride=16, max_blocks=2048):
     """Held-out greedy acceptance: per block, the run of leading drafts equal to the target's
     tokens. Returns tau (= 1 + mean accepted) and per-position acceptance with the FULL head,
@@ -266,16 +281,11 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_
         a = eval_anchors(s, b, stride)
         if len(a) == 0:
             continue
-        batch = make_batch([s], [a], b, drafter.config.mask_token_id).to(device)
-        with autocast(cfg):
-            hidden = train_forward(drafter, embed, batch, feature_scale)
-        hidden = hidden[:, 1:].to(head.dtype)
-        ok = ((hidden @ head.T).argmax(-1) == batch.labels).long().cumprod(-1)  # 1 while every earlier draft matched
+        ok, ok_reduced = matched_drafts(drafter, embed, head, s, a, cfg, feature_scale, vocab_ids)
         accepted.append(ok.sum(-1))
         reached += ok.sum(0)
         if vocab_ids is not None:
-            drafts = vocab_ids[(hidden @ head[vocab_ids].T).argmax(-1)]
-            accepted_reduced.append((drafts == batch.labels).long().cumprod(-1).sum(-1))
+            accepted_reduced.append(ok_reduced.sum(-1))
         blocks += len(a)
         if blocks >= max_blocks:
             break
@@ -435,10 +445,11 @@ def setup(cfg: TrainConfig):
 
     data = DrafterData(cfg.data, cfg.feature_layers)
     held_out = DrafterData(cfg.held_out, data.feature_layers) if cfg.held_out else None
-    if held_out and data.meta.get("dtype", "?") != held_out.meta.get("dtype", "?"):
-        print(f"train: warning: the held-out data was made in {held_out.meta.get('dtype', 'an unrecorded dtype')} and "
-              f"the training data in {data.meta.get('dtype', 'an unrecorded dtype')}; the target's features differ "
-              "between dtypes, so held-out tau is not what serving in the training dtype gets", file=sys.stderr)
+    unrecorded = "an unrecorded dtype"
+    if held_out and (held_dtype := held_out.meta.get("dtype", unrecorded)) != (data_dtype := data.meta.get("dtype", unrecorded)):
+        print(f"train: warning: the held-out data was made in {held_dtype} and the training data in {data_dtype}; the "
+              "target's features differ between dtypes, so held-out tau is not what serving in the training dtype gets",
+              file=sys.stderr)
     target_path = resolve_model_path(cfg.target or data.meta.get("target"))
     target = load_target(target_path, torch.float32)
     torch.manual_seed(cfg.seed)

@@ -15,17 +15,16 @@ import copy
 import torch
 
 from engine.bench import BenchConfig, EngineSpec, make_engine
+from engine.datagen import CODE_PROMPT
 from engine.engine import SamplingParams
 from engine.loading import DEFAULT_DRAFTER, load
-from engine.train import Sequence, TrainConfig, autocast, evaluate, make_batch, setup, train_forward
+from engine.train import Sequence, TrainConfig, evaluate, matched_drafts, setup
 
 
-def accepted_by_eval(drafter, embed, head, s: Sequence, anchors: list[int], cfg) -> list[int]:
-    batch = make_batch([s], [torch.tensor(anchors)], cfg.block_size, drafter.config.mask_token_id)
-    with torch.no_grad(), autocast(cfg):
-        hidden = train_forward(drafter, embed, batch, None)
-    drafts = (hidden[:, 1:].to(head.dtype) @ head.T).argmax(-1)
-    return (drafts == batch.labels).long().cumprod(-1).sum(-1).tolist()
+def first_tokens(s: Sequence, n: int) -> Sequence:
+    """The sequence cut after its first n reply tokens."""
+    end = s.prompt_len + n
+    return Sequence(s.tokens[:end], s.prompt_len, s.features[:end], s.topk_ids[:end], s.topk_logp[:end])
 
 
 def engine_blocks(r, prompt_len: int, matched: int, block: int) -> tuple[list[int], list[int]]:
@@ -70,7 +69,7 @@ def main():
         ref = s.tokens[p:].tolist()
         matched = next((j for j, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), min(len(ref), len(r.output_ids)))
         anchors, by_engine = engine_blocks(r, p, matched, args.block_size)
-        by_eval = accepted_by_eval(drafter, embed, head, s, anchors, cfg) if anchors else []
+        by_eval = matched_drafts(drafter, embed, head, s, torch.tensor(anchors), cfg)[0].sum(-1).tolist() if anchors else []
         blocks += len(anchors)
         equal += sum(a == b for a, b in zip(by_engine, by_eval))
         acc_engine, acc_eval = acc_engine + sum(by_engine), acc_eval + sum(by_eval)
@@ -80,18 +79,15 @@ def main():
         print(f"{blocks} blocks: {equal} with the same accepted count; tau {1 + acc_engine / blocks:.3f} decoding, "
               f"{1 + acc_eval / blocks:.3f} evaluation")
 
-    def is_code(s):
-        return "Write a Python function" in loaded.tokenizer.decode(s.tokens[: s.prompt_len])
-
+    is_code = [CODE_PROMPT in loaded.tokenizer.decode(s.tokens[: s.prompt_len]) for s in held.sequences]
+    n = args.max_new_tokens
     for name, want in (("chat", False), ("code", True)):
         part = copy.copy(held)
-        part.sequences = [s for s in held.sequences if is_code(s) == want]
+        part.sequences = [s for s, code in zip(held.sequences, is_code) if code == want]
         if not part.sequences:
             continue
         whole = evaluate(drafter, embed, head, part, cfg, None, max_blocks=10**9)["tau"]
-        n = args.max_new_tokens
-        part.sequences = [Sequence(s.tokens[: s.prompt_len + n], s.prompt_len, s.features[: s.prompt_len + n],
-                                   s.topk_ids[: s.prompt_len + n], s.topk_logp[: s.prompt_len + n]) for s in part.sequences]
+        part.sequences = [first_tokens(s, n) for s in part.sequences]
         first = evaluate(drafter, embed, head, part, cfg, None, stride=1, max_blocks=10**9)["tau"]
         print(f"{name}: {len(part.sequences)} held-out replies, tau {whole:.3f} over whole replies (anchors every 16 "
               f"tokens), {first:.3f} over their first {n} tokens (every anchor)")
