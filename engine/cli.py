@@ -188,6 +188,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt.add_argument("--max-requests", type=int, default=500, help="requests per run at most")
     lt.add_argument("--requests-per-user", type=int, default=0,
                     help="also stop a run after N requests per user: every variant serves the same requests (0: off)")
+    lt.add_argument("--min-requests", type=int, default=0,
+                    help="with --requests-per-user: a run serves at least this many requests (1 user: less noise)")
     lt.add_argument("--repeats", type=int, default=1, help="runs per scenario, user count and variant (median kept)")
     lt.add_argument("--max-tokens", type=int, default=64)
     lt.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -21,7 +21,6 @@ a step with block b commits E(b) = 1 + sum_{k=1}^{b-1} prod_{j<=k} a_j tokens on
 
 import bisect
 import json
-import statistics
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -597,7 +596,9 @@ class AdaptiveBlockPolicy(BlockPolicy):
     def _cost_ratio(self, block: int) -> float:
         if block in self.cost_ratio:
             return self.cost_ratio[block][0]
-        return statistics.mean(r for r, _ in self.cost_ratio.values()) if self.cost_ratio else 1.0
+        if not self.cost_ratio:
+            return 1.0
+        return sum(r for r, _ in self.cost_ratio.values()) / len(self.cost_ratio)  # statistics.mean: 10x slower
 
     def observe_step(self, batch: int, block: int, context: int, seconds: float, verified: float | None = None,
                      caught_up: int = 0):

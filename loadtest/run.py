@@ -49,6 +49,7 @@ class LoadTestConfig:
     repeats: int = 1  # runs per cell, interleaved with the other variants; the report keeps the median
     max_requests: int = 500  # per cell
     requests_per_user: int = 0  # > 0: a cell also stops after this many requests per user (same requests for every variant)
+    min_requests: int = 0  # with requests_per_user: but never before this many (4 requests at 1 user are seconds of noise)
     max_tokens: int = 64
     temperature: float = 0.0
     shape: str = "steady"
@@ -87,6 +88,8 @@ def check_config(cfg: LoadTestConfig) -> str | None:
         return f"--max-requests must be >= 1, got {cfg.max_requests}"
     if cfg.requests_per_user < 0:
         return f"--requests-per-user must be >= 0, got {cfg.requests_per_user}"
+    if cfg.min_requests < 0:
+        return f"--min-requests must be >= 0, got {cfg.min_requests}"
     if cfg.max_tokens < 1:
         return f"--max-tokens must be >= 1, got {cfg.max_tokens}"
     if cfg.temperature < 0:
@@ -138,7 +141,9 @@ def apps(cfg: LoadTestConfig) -> dict[str, dict]:
 
 def request_limit(cfg: LoadTestConfig, users: int) -> int:
     """Requests a cell at this user count stops after."""
-    return min(cfg.max_requests, cfg.requests_per_user * users) if cfg.requests_per_user else cfg.max_requests
+    if not cfg.requests_per_user:
+        return cfg.max_requests
+    return min(cfg.max_requests, max(cfg.min_requests, cfg.requests_per_user * users))
 
 
 def app_of(variant: str) -> str:
@@ -313,6 +318,7 @@ def markdown(report: dict) -> str:
              f"Server: {report['server']}. Load: {c['shape']} users, {c.get('repeats', 1)} run(s) per cell "
              f"(the median by tok/s shown; requests and failures summed), {c['run_time']:g} s per run (at most "
              f"{c['max_requests']} requests" + (f", {c['requests_per_user']} per user" if c.get('requests_per_user') else "")
+             + (f", at least {c['min_requests']}" if c.get('requests_per_user') and c.get('min_requests') else "")
              + f"), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
              f"Locust {report['locust_version']}; machine: {report['machine']}.", "",
              "tok/s: output tokens / wall time of the run; TTFT, TPOT, ITL: p50 / p90 in ms (Locust's "

@@ -183,6 +183,7 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
     (["--run-time", "0"], "--run-time must be > 0"),
     (["--max-requests", "0"], "--max-requests must be >= 1"),
     (["--requests-per-user", "-1"], "--requests-per-user must be >= 0"),
+    (["--min-requests", "-1"], "--min-requests must be >= 0"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
     (["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
@@ -194,6 +195,16 @@ def test_loadtest_flags(argv, message, capsys):
         cli.main(["loadtest", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_request_limit_per_user_with_a_floor():
+    """--requests-per-user scales a run with its users; --min-requests keeps 1-user runs from being a few seconds."""
+    from loadtest.run import LoadTestConfig, request_limit
+
+    cfg = LoadTestConfig(requests_per_user=4, min_requests=16, max_requests=50)
+    assert [request_limit(cfg, u) for u in (1, 4, 16)] == [16, 16, 50]
+    assert request_limit(LoadTestConfig(requests_per_user=4), 1) == 4
+    assert request_limit(LoadTestConfig(min_requests=16, max_requests=30), 1) == 30  # no per-user limit: max only
 
 
 @pytest.mark.slow
