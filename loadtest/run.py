@@ -146,6 +146,12 @@ def request_limit(cfg: LoadTestConfig, users: int) -> int:
     return min(cfg.max_requests, max(cfg.min_requests, cfg.requests_per_user * users))
 
 
+def run_order(variants: list[str], repeat: int) -> list[str]:
+    """The variants' order in one repeat of a cell: as given, reversed in odd repeats, so no variant always
+    runs right after the same one (b4 after b2 on the same app) or always first after a change of cell."""
+    return list(variants) if repeat % 2 == 0 else list(reversed(variants))
+
+
 def app_of(variant: str) -> str:
     return "fixed" if variant_block(variant) else variant
 
@@ -461,7 +467,8 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
         info = {v: bench_serve.server_info(urls[v]) for v in dict.fromkeys(variants)}
         info = next((i for v, i in info.items() if v != "ar"), info[variants[0]])  # the drafter's app when any
         results: dict[str, dict[int, dict]] = {}
-        cells = [(s, u, r, v) for s in cfg.scenarios for u in cfg.users for r in range(cfg.repeats) for v in variants]
+        cells = [(s, u, r, v) for s in cfg.scenarios for u in cfg.users for r in range(cfg.repeats)
+                 for v in run_order(variants, r)]
         runs: dict[tuple, list[dict]] = {}
         for s, u, r, v in tqdm(cells, desc="loadtest", unit="run"):
             repeat = r if cfg.repeats > 1 else None

@@ -207,6 +207,15 @@ def test_request_limit_per_user_with_a_floor():
     assert request_limit(LoadTestConfig(min_requests=16, max_requests=30), 1) == 30  # no per-user limit: max only
 
 
+def test_variants_run_in_reverse_every_other_repeat():
+    """No variant always runs right after the same one (b4 after b2 on the same warm app)."""
+    from loadtest.run import run_order
+
+    variants = ["ar", "b2", "b4", "adaptive"]
+    assert [run_order(variants, r) for r in range(3)] == [variants, variants[::-1], variants]
+    assert variants == ["ar", "b2", "b4", "adaptive"]  # not reordered in place
+
+
 @pytest.mark.slow
 def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
     """A short soak (the README's is 10 minutes): mixed users, no failures, the replicas' memory
