@@ -320,12 +320,13 @@ def fmt(x, spec=".2f"):
 
 def markdown(report: dict) -> str:
     c = report["config"]
+    per_user = ""
+    if c.get("requests_per_user"):
+        per_user = f", {c['requests_per_user']} per user" + (f", at least {c['min_requests']}" if c.get("min_requests") else "")
     lines = [f"# Load test: {', '.join(c['scenarios'])} at {', '.join(map(str, c['users']))} users", "",
              f"Server: {report['server']}. Load: {c['shape']} users, {c.get('repeats', 1)} run(s) per cell "
              f"(the median by tok/s shown; requests and failures summed), {c['run_time']:g} s per run (at most "
-             f"{c['max_requests']} requests" + (f", {c['requests_per_user']} per user" if c.get('requests_per_user') else "")
-             + (f", at least {c['min_requests']}" if c.get('requests_per_user') and c.get('min_requests') else "")
-             + f"), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
+             f"{c['max_requests']} requests{per_user}), max_tokens {c['max_tokens']}, temperature {c['temperature']:g}. "
              f"Locust {report['locust_version']}; machine: {report['machine']}.", "",
              "tok/s: output tokens / wall time of the run; TTFT, TPOT, ITL: p50 / p90 in ms (Locust's "
              "percentiles); MAL: mean acceptance length (usage.spec_decoding); x AR: speed-up over the "
