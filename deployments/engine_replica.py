@@ -258,7 +258,9 @@ class EngineReplica:
     async def stats(self) -> dict:
         """This replica's totals: request counters and the engine's speculative statistics."""
         spec = await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.stats.to_dict)
-        return {**self.counters, "spec_decoding": spec, **await self.slots()}
+        overhead = getattr(self.engine.policy, "overhead", None)  # the adaptive policy's estimate
+        return {**self.counters, "spec_decoding": spec, **await self.slots(),
+                **({} if overhead is None else {"step_overhead_ms": round(1e3 * overhead, 2)})}
 
     async def check_health(self):
         """Serve's health hook: unhealthy (and restarted) when the step loop died or keeps failing, or a

@@ -183,6 +183,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._prefilled_last = False
+        self._last_step_end: float | None = None  # when the last step() returned with requests left running
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -224,6 +225,8 @@ class Engine:
         if request.draft_slot >= 0:
             self.draft_cache.free(request.draft_slot)
         request.pending_features = None
+        if not self.requests:
+            self._last_step_end = None
 
     def abort(self, request_id: int):
         request = self.requests.get(request_id)
@@ -237,7 +240,6 @@ class Engine:
 
     # ---- one engine step -----------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Prefill a group of new requests, or run one speculative step for every running request.
 
@@ -245,7 +247,20 @@ class Engine:
         PREFILL_TOKEN_BUDGET padded prompt positions (one prompt at least), and while some wait,
         prefill and decode steps alternate: a burst of long prompts neither stalls the running
         requests' streams until all are in, nor pays for padding every prompt to the longest.
+
+        The time from the end of one call to the start of the next, while requests run, is what
+        the caller spends per step outside the engine (a server streaming the step's tokens); the
+        policy is told it (`observe_gap`).
         """
+        if self._last_step_end is not None:
+            self.policy.observe_gap(time.perf_counter() - self._last_step_end)
+        try:
+            return self._step()
+        finally:
+            self._last_step_end = time.perf_counter() if self.requests else None
+
+    @torch.inference_mode()
+    def _step(self) -> list[StepOutput]:
         new = [r for r in self.requests.values() if not r.output_ids]
         running = [r for r in self.requests.values() if r.output_ids]
         if new and not (running and self._prefilled_last):

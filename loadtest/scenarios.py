@@ -20,6 +20,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from engine.datagen import PromptItem, sharegpt_conversations, stdlib_modules, summary_line
+from engine.prompts import Message, Prompt, chat
 
 SEED = 0
 MAX_TURN_CHARS = 600  # a human turn is cut to this (the server's context is 2,048 tokens)
@@ -172,11 +173,16 @@ def agent_tasks(retriever: Retriever, n: int, rng: random.Random) -> list[dict]:
 # ---- all of it ----------------------------------------------------------------------------------
 
 
-def first_turns(scenario: str, n: int) -> list[str]:
-    """The first user message of n chat conversations or n RAG items (one-process experiments)."""
+def first_turns(scenario: str, n: int) -> list[Prompt]:
+    """The first request of n chat conversations, RAG items or agent tasks (system prompt and task), as
+    chat prompts (one-process experiments)."""
     if scenario == "chat":
-        return [c[0] for c in chat_conversations()[:n]]
-    return [r["prompt"] for r in rag_items(Retriever(stdlib_passages()), n, random.Random(SEED))]
+        return [chat(c[0]) for c in chat_conversations()[:n]]
+    retriever, rng = Retriever(stdlib_passages()), random.Random(SEED)
+    if scenario == "rag":
+        return [chat(r["prompt"]) for r in rag_items(retriever, n, rng)]
+    system = Message(role="system", content=AGENT_SYSTEM)
+    return [Prompt(messages=[system, Message(role="user", content=t["task"])]) for t in agent_tasks(retriever, n, rng)]
 
 
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:

@@ -22,7 +22,6 @@ from tqdm import tqdm  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
-from engine.prompts import chat  # noqa: E402
 from loadtest.scenarios import first_turns  # noqa: E402
 
 
@@ -45,7 +44,7 @@ def main():
     loaded = load(None, "default", args.dtype, "cpu")
     tok = loaded.tokenizer
 
-    texts = {s: first_turns(s, args.prompts) for s in ("chat", "rag")}
+    texts = {s: first_turns(s, args.prompts) for s in ("chat", "rag", "agent")}
     kw = dict(max_block_size=args.max_block, max_batch_size=max(batches), path=args.cost_table,
               request_drafts=args.request_drafts)
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, **kw)
@@ -58,7 +57,7 @@ def main():
                                                                request_drafts=args.request_drafts)
             variants["adaptive-notrim"] = lambda: AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes,
                                                                       request_drafts=args.request_drafts, trim=False)
-            ids = [chat(t).token_ids(tok) for t in prompts]
+            ids = [p.token_ids(tok) for p in prompts]
             groups = [ids[i: i + batch] for i in range(0, len(ids), batch)]
             passes = {k: [] for k in variants}
             # one engine (and policy) per variant for all passes: the untimed first pass is the policies' warm-up,

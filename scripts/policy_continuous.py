@@ -1,91 +1,205 @@
-"""Block policies under continuous batching, in one process: `--batch` requests kept running (a new
-one joins as soon as one finishes, as in a server replica), the load test's chat or RAG prompts, 64
-greedy tokens each; the variants run one after another on the same engine weights. Prints each
-variant's wall time and tokens/s, and for the adaptive ones what they chose and verified.
+"""Block policies under continuous batching, in one process and in lockstep: each variant has an engine of
+its own (the same model weights) and its own queue of the same prompts (64 greedy tokens each), `--batch`
+requests kept running in each (a new one joins as soon as one finishes: a server replica with that many
+steady users), and the engines take turns step by step, in reverse order every other round. A slow spell of
+the shared host then hits every variant alike. Run one after another, the same work was not comparable:
+block-1 steps took 45.8 ms in one variant's run and 72.3 ms in a run minutes later (agent, batch 4).
 
-    .venv/bin/python scripts/policy_continuous.py --scenario chat --batch 16 --prompts 48
+Each variant's figure is output tokens per second of its own engine's time (prefills included). Prints,
+per scenario and batch, every variant and the adaptive ones over the best fixed block (b2 and up: the
+load test's comparison) and over b1 (no drafting); with --out, writes report.md, report.json and a plot.
 
-The variants run one after another in one run. On a bf16 host, chat, 48 prompts: adaptive / b2 was
-0.955 at batch 16 and 0.977 at batch 4, adaptive without the trim 0.966 and 0.977; on another bf16 host,
-64 prompts at batch 16: adaptive 190.8 tok/s, b1 191.1, b2 164.5 (README, "Load tests").
+    .venv/bin/python scripts/policy_continuous.py --scenario chat,rag,agent --batch 1,4,16 --prompts 32 \\
+        --max-block 4 --variants b1,b2,b4,adaptive --out docs/loadtest/lockstep
 """
 
 import argparse
-import collections
+import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
-from engine.prompts import chat  # noqa: E402
 from loadtest.scenarios import first_turns  # noqa: E402
 
-
-def run(loaded, policy, prompts, batch):
-    """Wall seconds and output tokens for all prompts, `batch` at a time, refilled as requests finish."""
-    engine = Engine(loaded.target, loaded.drafter, max_slots=batch, max_len=2048, policy=policy,
-                    stop_token_ids=stop_token_ids(loaded.target_path))
-    queue, done, start = list(prompts), [], time.perf_counter()
-    while queue or engine.num_running:
-        while queue and engine.num_running < batch:
-            done.append(engine.add_request(queue.pop(0), SamplingParams(max_tokens=64)))
-        engine.step()
-    return time.perf_counter() - start, sum(len(r.output_ids) for r in done), engine.stats
+SCENARIOS = ("chat", "rag", "agent")
 
 
-def counting(choose, chosen: collections.Counter):
-    """`choose`, counting the steps by the block it picks."""
-    def wrapped(requests, caps):
-        sizes = choose(requests, caps)
-        chosen[max(sizes)] += 1
-        return sizes
-    return wrapped
+class Lane:
+    """One variant's engine, its queue of prompts and the engine time it has used."""
+
+    def __init__(self, loaded, policy, prompts, batch, max_block):
+        self.engine = Engine(loaded.target, loaded.drafter, max_slots=batch, max_len=2048, policy=policy,
+                             stop_token_ids=stop_token_ids(loaded.target_path))
+        self.queue, self.done, self.batch, self.max_block, self.seconds = list(prompts), [], batch, max_block, 0.0
+
+    @property
+    def finished(self):
+        return not self.queue and not self.engine.num_running
+
+    def step(self):
+        start = time.perf_counter()
+        while self.queue and self.engine.num_running < self.batch:
+            self.done.append(self.engine.add_request(self.queue.pop(0), SamplingParams(max_tokens=64, block_size=self.max_block)))
+        self.engine.step()
+        self.seconds += time.perf_counter() - start
+
+    @property
+    def tokens(self):
+        return sum(len(r.output_ids) for r in self.done)
 
 
-def parse(description, batch, variants, variants_help):
-    """The two policy scripts' command line: scenario, batch, prompts, variants, dtype."""
+def run(loaded, policies: dict, prompts, batch, max_block=None, desc=None) -> dict:
+    """{name: (engine seconds, output tokens, engine stats)} for every policy, the lanes stepped in lockstep;
+    `max_block`: each request's block cap (a server's max_block_size; None: the drafter's block)."""
+    lanes = {name: Lane(loaded, policy, prompts, batch, max_block) for name, policy in policies.items()}
+    order = list(lanes.values())
+    with tqdm(total=len(prompts) * len(lanes), desc=desc, unit="request", leave=False) as bar:
+        while not all(lane.finished for lane in order):
+            for lane in order:
+                if not lane.finished:
+                    before = len(lane.done) - lane.engine.num_running
+                    lane.step()
+                    bar.update(len(lane.done) - lane.engine.num_running - before)
+            order.reverse()
+    return {name: (lane.seconds, lane.tokens, lane.engine.stats) for name, lane in lanes.items()}
+
+
+def make_policy(name, profiled):
+    if name.startswith("b") and name[1:].isdigit() and int(name[1:]) >= 1:
+        return FixedBlockPolicy(int(name[1:]))
+    if name in ("adaptive", "adaptive-notrim"):
+        return AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
+    raise ValueError(f"--variants: unknown variant {name!r} (b<N>, adaptive, adaptive-notrim)")
+
+
+def comma_list(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def parse(description, batch, variants, variants_help, many=False):
+    """The policy scripts' command line: scenario(s), batch(es), prompts, variants, dtype, largest block."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--scenario", default="chat", choices=("chat", "rag"))
-    ap.add_argument("--batch", type=int, default=batch, help="requests kept running")
+    if many:
+        ap.add_argument("--scenario", type=comma_list(str), default=list(SCENARIOS), help="comma list of chat, rag, agent")
+        ap.add_argument("--batch", type=comma_list(int), default=[batch], help="comma list: requests kept running")
+    else:
+        ap.add_argument("--scenario", default="chat", choices=SCENARIOS)
+        ap.add_argument("--batch", type=int, default=batch, help="requests kept running")
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--variants", default=variants, help=variants_help)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-block", type=int, default=16, help="largest block (a server's max_block_size)")
+    if many:
+        ap.add_argument("--out", default=None, help="folder for report.md, report.json and lockstep.png")
     args = ap.parse_args()
-    if args.batch < 1 or args.prompts < 1:
-        ap.error("--batch and --prompts must be >= 1")
+    batches = args.batch if many else [args.batch]
+    if min(batches, default=0) < 1 or args.prompts < 1 or args.max_block < 1:
+        ap.error("--batch, --prompts and --max-block must be >= 1")
+    if many and (not args.scenario or not set(args.scenario) <= set(SCENARIOS)):
+        ap.error(f"--scenario: a comma list of {', '.join(SCENARIOS)}")
     return ap, args
 
 
-def setup(args):
-    """The default model and drafter, the scenario's prompts as token ids, and a profiled adaptive policy."""
+def setup(args, scenarios=None):
+    """The default model and drafter, each scenario's prompts as token ids, and a profiled adaptive policy."""
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
-    prompts = [chat(t).token_ids(loaded.tokenizer) for t in first_turns(args.scenario, args.prompts)]
-    return loaded, prompts, AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_batch_size=max(args.batch, 2))
+    batches = args.batch if isinstance(args.batch, list) else [args.batch]
+    prompts = {s: [p.token_ids(loaded.tokenizer) for p in first_turns(s, args.prompts)]
+               for s in (scenarios or [args.scenario])}
+    profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_block_size=args.max_block,
+                                           max_batch_size=max(max(batches), 2))
+    return loaded, prompts, profiled
+
+
+def markdown(results, args) -> str:
+    fixed = [v for v in args.variants.split(",") if v.startswith("b") and v != "b1"]
+    lines = [f"# Block policies in lockstep: {args.prompts} prompts per scenario, 64 greedy tokens, largest block "
+             f"{args.max_block}", "",
+             "tok/s: output tokens per second of the variant's own engine time; the engines take turns step by step.", "",
+             "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | adaptive / b1 |",
+             "|---|---|" + "---|" * (len(results[0]["tok_s"]) + 2)]
+    for cell in results:
+        rate = cell["tok_s"]
+        lines.append(f"| {cell['scenario']} | {cell['batch']} | " + " | ".join(f"{r:.1f}" for r in rate.values())
+                     + f" | {fmt(cell.get('adaptive_vs_best_fixed'))} ({cell.get('best_fixed', '-')}) | "
+                     + f"{fmt(cell.get('adaptive_vs_b1'))} |")
+    if fixed:
+        ratios = [c["adaptive_vs_best_fixed"] for c in results if "adaptive_vs_best_fixed" in c]
+        lines += ["", f"Adaptive over the best fixed block ({', '.join(fixed)}): geometric mean "
+                      f"{statistics.geometric_mean(ratios):.3f}, lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]
+    return "\n".join(lines)
+
+
+def fmt(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results[0]["tok_s"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        ax.bar([i + k * width for i in range(len(results))], [c["tok_s"][name] for c in results], width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
+    ax.set_xticklabels([f"{c['scenario']}\nbatch {c['batch']}" for c in results])
+    ax.set_ylabel("output tokens / s of engine time")
+    ax.set_title("Block policies in lockstep (one process, the same prompts)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main():
-    ap, args = parse(__doc__.split("\n")[0], 16, "b2,adaptive,adaptive-notrim", "comma list of b<N>, adaptive, adaptive-notrim")
-    loaded, prompts, profiled = setup(args)
-    for name in args.variants.split(","):
-        if name.startswith("b") and name[1:].isdigit():
-            policy = FixedBlockPolicy(int(name[1:]))
-        elif name in ("adaptive", "adaptive-notrim"):
-            policy = AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
-        else:
-            ap.error(f"--variants: unknown variant {name!r}")
-        chosen = collections.Counter()
-        if isinstance(policy, AdaptiveBlockPolicy):
-            policy.choose = counting(policy.choose, chosen)
-        seconds, tokens, stats = run(loaded, policy, prompts, args.batch)
-        print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s; "
-              f"verified rows by block {dict(sorted(stats.block_sizes.items()))}"
-              + (f"; steps by chosen block {dict(sorted(chosen.items()))}" if chosen else ""))
+    ap, args = parse(__doc__.split("\n")[0], 16, "b1,b2,b4,adaptive", "comma list of b<N>, adaptive, adaptive-notrim",
+                     many=True)
+    names = args.variants.split(",")
+    loaded, prompts, profiled = setup(args, args.scenario)
+    try:
+        [make_policy(name, profiled) for name in names]
+    except ValueError as e:
+        ap.error(str(e))
+    results = []
+    for scenario in args.scenario:
+        for batch in args.batch:
+            out = run(loaded, {name: make_policy(name, profiled) for name in names}, prompts[scenario], batch,
+                      args.max_block, desc=f"{scenario} batch {batch}")
+            cell = {"scenario": scenario, "batch": batch, "tok_s": {k: t / s for k, (s, t, _) in out.items()},
+                    "seconds": {k: s for k, (s, _, _) in out.items()},
+                    "verified_rows_by_block": {k: dict(sorted(st.block_sizes.items())) for k, (_, _, st) in out.items()}}
+            rate = cell["tok_s"]
+            fixed = [k for k in rate if k.startswith("b") and k != "b1"]
+            if "adaptive" in rate and fixed:
+                cell["best_fixed"] = max(fixed, key=rate.get)
+                cell["adaptive_vs_best_fixed"] = rate["adaptive"] / rate[cell["best_fixed"]]
+            if "adaptive" in rate and "b1" in rate:
+                cell["adaptive_vs_b1"] = rate["adaptive"] / rate["b1"]
+            results.append(cell)
+            print(f"{scenario} batch {batch}: " + ", ".join(f"{k} {r:.1f} tok/s" for k, r in rate.items())
+                  + (f"; adaptive / best fixed ({cell['best_fixed']}) {cell['adaptive_vs_best_fixed']:.3f}"
+                     if "best_fixed" in cell else "")
+                  + f"; verified rows by block {cell['verified_rows_by_block']}", flush=True)
+    report = markdown(results, args)
+    print(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1) + "\n")
+        (out / "report.md").write_text(report + "\n\n![lockstep](lockstep.png)\n")
+        plot(results, out / "lockstep.png")
 
 
 if __name__ == "__main__":

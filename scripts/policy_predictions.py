@@ -85,7 +85,7 @@ def main():
             ap.error(f"--variants: unknown variant {name!r}")
         policy = Shadowed(None if name == "adaptive" else int(name[1:]),
                           AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes))
-        seconds, tokens, _ = run(loaded, policy, prompts, args.batch)
+        seconds, tokens, _ = run(loaded, {name: policy}, prompts[args.scenario], args.batch, args.max_block)[name]
         print(f"{args.scenario} batch {args.batch} {name}: {seconds:.1f} s, {tokens / seconds:.1f} tok/s")
         report(name, policy.steps, args.batch)
 

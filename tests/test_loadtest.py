@@ -53,6 +53,13 @@ def test_traffic_is_real_and_held_out(tmp_path):
     with pytest.raises(ValueError, match="not arithmetic"):
         scenarios.calculate("__import__('os')")
 
+    # the one-process scripts' first requests: the same traffic as chat prompts
+    first = {s: scenarios.first_turns(s, 3) for s in ("chat", "rag", "agent")}
+    assert [p.messages[0].content for p in first["chat"]] == [c[0] for c in data["chat"][:3]]
+    assert all(p.messages[0].content.startswith("Answer the question using") for p in first["rag"])
+    for p in first["agent"]:
+        assert [m.role for m in p.messages] == ["system", "user"] and p.messages[0].content == scenarios.AGENT_SYSTEM
+
 
 def test_median_run_of_repeats():
     from loadtest.run import median_run

@@ -227,6 +227,38 @@ def test_observed_step_times_calibrate_the_choice():
     assert fresh.step_cost(1, 2, None) == pytest.approx(0.02 * (two + (0.5 - two) / (prior + 2)))
 
 
+def test_time_between_steps_counts_in_every_steps_cost():
+    """What the engine's caller spends per step (a server streaming the tokens) is paid once per step
+    whatever the block: it favours the block that needs fewer steps. A stall is clipped to the last
+    step's time. The engine reports the gaps between its step() calls while requests run, none while idle."""
+    policy = AdaptiveBlockPolicy(CostModel([1], [1, 2], [[0.010, 0.016]]), block_sizes=(1, 2), prior=0.5)
+    request = fake_request([0.5], block=2)  # E(2) = 1.5 tokens
+    assert policy.choose([request], [2]) == [1]  # 100 tok/s against 94
+    policy.observe_step(1, 1, 0, 0.010)  # as profiled
+    for _ in range(100):
+        policy.observe_gap(0.004)
+    assert policy.overhead == pytest.approx(0.004)
+    assert policy.choose([request], [2]) == [2]  # 71 tok/s against 75
+    policy.observe_gap(5.0)
+    assert policy.overhead < 0.0045
+
+    from engine.engine import Engine, SamplingParams
+    from tests.test_engine import random_prompts, tiny_models
+
+    class Recording(FixedBlockPolicy):
+        def observe_gap(self, seconds):
+            gaps.append(seconds)
+
+    gaps = []
+    engine = Engine(*tiny_models(), max_slots=2, policy=Recording(2))
+    prompts = random_prompts(2, engine.target.config.vocab_size)
+    engine.generate_batch(prompts, SamplingParams(max_tokens=4))
+    steps = len(gaps)
+    assert steps >= 2 and all(0 <= g < 0.1 for g in gaps)
+    engine.generate_batch(prompts, SamplingParams(max_tokens=4))  # the engine was idle in between: no gap for that
+    assert len(gaps) == 2 * steps
+
+
 def test_the_pool_shrinks_later_positions_towards_the_one_before():
     """Position 3 is reached rarely; its few drafts are shrunk towards position 2's estimate, not the
     prior (an optimistic prior there inflated what block 4 was expected to give)."""
