@@ -36,7 +36,8 @@ class Lane:
     """One variant's engine, its queue of prompts and the engine time it has used."""
 
     def __init__(self, loaded, policy, prompts, batch, max_block):
-        self.engine = Engine(loaded.target, loaded.drafter, max_slots=batch, max_len=2048, policy=policy,
+        drafter = None if policy is None else loaded.drafter  # ar: an engine without a drafter (no target features)
+        self.engine = Engine(loaded.target, drafter, max_slots=batch, max_len=2048, policy=policy,
                              stop_token_ids=stop_token_ids(loaded.target_path))
         self.queue, self.done, self.batch, self.max_block, self.seconds = list(prompts), [], batch, max_block, 0.0
 
@@ -73,11 +74,14 @@ def run(loaded, policies: dict, prompts, batch, max_block=None, desc=None) -> di
 
 
 def make_policy(name, profiled):
+    """A variant's block policy; None for ar (the engine then has no drafter: the load test's AR server)."""
+    if name == "ar":
+        return None
     if name.startswith("b") and name[1:].isdigit() and int(name[1:]) >= 1:
         return FixedBlockPolicy(int(name[1:]))
     if name in ("adaptive", "adaptive-notrim"):
         return AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
-    raise ValueError(f"--variants: unknown variant {name!r} (b<N>, adaptive, adaptive-notrim)")
+    raise ValueError(f"--variants: unknown variant {name!r} (ar, b<N>, adaptive, adaptive-notrim)")
 
 
 def comma_list(kind):
@@ -164,7 +168,7 @@ def plot(results, path):
 
 
 def main():
-    ap, args = parse(__doc__.split("\n")[0], 16, "b1,b2,b4,adaptive", "comma list of b<N>, adaptive, adaptive-notrim",
+    ap, args = parse(__doc__.split("\n")[0], 16, "b1,b2,b4,adaptive", "comma list of ar, b<N>, adaptive, adaptive-notrim",
                      many=True)
     names = args.variants.split(",")
     loaded, prompts, profiled = setup(args, args.scenario)
