@@ -443,7 +443,7 @@ class AdaptiveBlockPolicy(BlockPolicy):
     Every step also costs what the engine's caller spends between steps (`observe_gap`: a server streams
     each step's tokens to its clients), once per step whatever the block: a running mean of it is added to
     every step's cost, which favours blocks that need fewer steps. In this repo's Ray Serve replica on a CPU
-    it measured 0.5-0.9 ms against 30-300 ms steps (agent traffic at 4 and 16 users); on a GPU, where a
+    it measured 0.5-1.3 ms against 30-300 ms steps (agent traffic at 4 and 16 users); on a GPU, where a
     step takes milliseconds, the same streaming is a larger share.
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
@@ -573,15 +573,14 @@ class AdaptiveBlockPolicy(BlockPolicy):
                 reach *= a
                 candidates.append((reach, i))
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep a row's earlier drafts first
-        draft = self.cost_model.draft_cost(batch, block, context)
+        fixed = self.cost_model.draft_cost(batch, block, context) + self.overhead  # paid whatever is verified
         verify = [self.cost_model.verify_cost(batch, b, context) for b in range(1, block + 1)]  # piecewise linear between
         best, best_rate, gained = 0, -1.0, 0.0
         for m in range(len(candidates) + 1):
             if m:
                 gained += candidates[m - 1][0]
             whole, part = divmod(m, batch)  # 1 + m / batch positions per row
-            seconds = draft + verify[whole] + (part / batch) * (verify[whole + 1] - verify[whole] if part else 0.0) \
-                + self.overhead
+            seconds = fixed + verify[whole] + (part / batch) * (verify[whole + 1] - verify[whole] if part else 0.0)
             if (batch + gained) / seconds > best_rate:
                 best, best_rate = m, (batch + gained) / seconds
         sizes = [1] * batch

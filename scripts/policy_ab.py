@@ -44,7 +44,7 @@ def main():
     loaded = load(None, "default", args.dtype, "cpu")
     tok = loaded.tokenizer
 
-    texts = {s: first_turns(s, args.prompts) for s in ("chat", "rag", "agent")}
+    texts = {s: first_turns(s, args.prompts) for s in ("chat", "rag")}
     kw = dict(max_block_size=args.max_block, max_batch_size=max(batches), path=args.cost_table,
               request_drafts=args.request_drafts)
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, **kw)

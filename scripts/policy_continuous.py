@@ -24,9 +24,11 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine.cli import comma_list  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
+from loadtest.run import fmt  # noqa: E402
 from loadtest.scenarios import first_turns  # noqa: E402
 
 SCENARIOS = ("chat", "rag", "agent")
@@ -53,6 +55,10 @@ class Lane:
         self.seconds += time.perf_counter() - start
 
     @property
+    def num_finished(self):
+        return len(self.done) - self.engine.num_running
+
+    @property
     def tokens(self):
         return sum(len(r.output_ids) for r in self.done)
 
@@ -66,9 +72,8 @@ def run(loaded, policies: dict, prompts, batch, max_block=None, desc=None) -> di
         while not all(lane.finished for lane in order):
             for lane in order:
                 if not lane.finished:
-                    before = len(lane.done) - lane.engine.num_running
                     lane.step()
-                    bar.update(len(lane.done) - lane.engine.num_running - before)
+            bar.update(sum(lane.num_finished for lane in order) - bar.n)
             order.reverse()
     return {name: (lane.seconds, lane.tokens, lane.engine.stats) for name, lane in lanes.items()}
 
@@ -82,10 +87,6 @@ def make_policy(name, profiled):
     if name in ("adaptive", "adaptive-notrim"):
         return AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
     raise ValueError(f"--variants: unknown variant {name!r} (ar, b<N>, adaptive, adaptive-notrim)")
-
-
-def comma_list(kind):
-    return lambda text: [kind(x) for x in text.split(",") if x]
 
 
 def parse(description, batch, variants, variants_help, many=False):
@@ -134,17 +135,13 @@ def markdown(results, args) -> str:
     for cell in results:
         rate = cell["tok_s"]
         lines.append(f"| {cell['scenario']} | {cell['batch']} | " + " | ".join(f"{r:.1f}" for r in rate.values())
-                     + f" | {fmt(cell.get('adaptive_vs_best_fixed'))} ({cell.get('best_fixed', '-')}) | "
-                     + f"{fmt(cell.get('adaptive_vs_b1'))} |")
+                     + f" | {fmt(cell.get('adaptive_vs_best_fixed'), '.3f')} ({cell.get('best_fixed', '-')}) | "
+                     + f"{fmt(cell.get('adaptive_vs_b1'), '.3f')} |")
     if fixed:
         ratios = [c["adaptive_vs_best_fixed"] for c in results if "adaptive_vs_best_fixed" in c]
         lines += ["", f"Adaptive over the best fixed block ({', '.join(fixed)}): geometric mean "
                       f"{statistics.geometric_mean(ratios):.3f}, lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]
     return "\n".join(lines)
-
-
-def fmt(x):
-    return "-" if x is None else f"{x:.3f}"
 
 
 def plot(results, path):
