@@ -20,7 +20,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from engine.datagen import PromptItem, sharegpt_conversations, stdlib_modules, summary_line
-from engine.prompts import Message, Prompt, chat
+from engine.prompts import Message, Prompt
 
 SEED = 0
 MAX_TURN_CHARS = 600  # a human turn is cut to this (the server's context is 2,048 tokens)
@@ -173,16 +173,24 @@ def agent_tasks(retriever: Retriever, n: int, rng: random.Random) -> list[dict]:
 # ---- all of it ----------------------------------------------------------------------------------
 
 
-def first_turns(scenario: str, n: int) -> list[Prompt]:
-    """The first request of n chat conversations, RAG items or agent tasks (system prompt and task), as
-    chat prompts (one-process experiments)."""
+def conversations(scenario: str, n: int) -> list[list[list[Message]]]:
+    """n conversations as the load test's users hold them (one-process experiments): each a list of
+    turns, a turn the messages its request adds to the history. Between two turns goes the reply to
+    the first (the caller's own, as the server's at run time). chat: the human turns; rag: one
+    question; agent: the system prompt and task, then the tool's observation."""
     if scenario == "chat":
-        return [chat(c[0]) for c in chat_conversations()[:n]]
+        return [[[Message(role="user", content=t)] for t in c] for c in chat_conversations()[:n]]
     retriever, rng = Retriever(stdlib_passages()), random.Random(SEED)
     if scenario == "rag":
-        return [chat(r["prompt"]) for r in rag_items(retriever, n, rng)]
+        return [[[Message(role="user", content=r["prompt"])]] for r in rag_items(retriever, n, rng)]
     system = Message(role="system", content=AGENT_SYSTEM)
-    return [Prompt(messages=[system, Message(role="user", content=t["task"])]) for t in agent_tasks(retriever, n, rng)]
+    return [[[system, Message(role="user", content=t["task"])], [Message(role="tool", content=t["observation"])]]
+            for t in agent_tasks(retriever, n, rng)]
+
+
+def first_turns(scenario: str, n: int) -> list[Prompt]:
+    """The first request of n conversations (`conversations`) as chat prompts."""
+    return [Prompt(messages=c[0]) for c in conversations(scenario, n)]
 
 
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:

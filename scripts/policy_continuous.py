@@ -1,7 +1,9 @@
 """Block policies under continuous batching, in one process and in lockstep: each variant has an engine of
-its own (the same model weights) and its own queue of the same prompts (64 greedy tokens each), `--batch`
-requests kept running in each (a new one joins as soon as one finishes: a server replica with that many
-steady users), and the engines take turns step by step, in reverse order every other round. A slow spell of
+its own (the same model weights) and its own queue of the load test's conversations (64 greedy tokens per
+reply), `--batch` users in each: a user's next request joins as soon as its last one finishes, a server
+replica with that many steady users. With `--turns first` a user sends each conversation's first request
+only; with `--turns all` every turn, the replies so far in its history (an agent's second request carries
+its reply and the tool's observation), as the load test's users do. The engines take turns step by step, in reverse order every other round. A slow spell of
 the shared host then hits every variant alike. Run one after another, the same work was not comparable:
 block-1 steps took 45.8 ms in one variant's run and 72.3 ms in a run minutes later (agent, batch 4).
 
@@ -29,46 +31,67 @@ from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
 from loadtest.run import fmt  # noqa: E402
-from loadtest.scenarios import first_turns  # noqa: E402
+from engine.prompts import Message, Prompt  # noqa: E402
+from loadtest.scenarios import conversations  # noqa: E402
 
 SCENARIOS = ("chat", "rag", "agent")
+MAX_LEN, MAX_TOKENS = 2048, 64  # the load test server's context; tokens per reply
 
 
 class Lane:
-    """One variant's engine, its queue of prompts and the engine time it has used."""
+    """One variant's engine, its queue of conversations (a user holds one at a time: its next turn, with the
+    reply to the last in the history, joins as soon as that reply is done) and the engine time it has used."""
 
-    def __init__(self, loaded, policy, prompts, batch, max_block):
+    def __init__(self, loaded, policy, conversations, batch, max_block):
         drafter = None if policy is None else loaded.drafter  # ar: an engine without a drafter (no target features)
-        self.engine = Engine(loaded.target, drafter, max_slots=batch, max_len=2048, policy=policy,
+        self.engine = Engine(loaded.target, drafter, max_slots=batch, max_len=MAX_LEN, policy=policy,
                              stop_token_ids=stop_token_ids(loaded.target_path))
-        self.queue, self.done, self.batch, self.max_block, self.seconds = list(prompts), [], batch, max_block, 0.0
+        self.tokenizer, self.batch, self.max_block, self.seconds = loaded.tokenizer, batch, max_block, 0.0
+        self.queue = [(list(turns), []) for turns in conversations]  # (turns to come, history)
+        self.users, self.done = [], []  # (request, turns to come, history) running; every request made
 
     @property
     def finished(self):
-        return not self.queue and not self.engine.num_running
+        return not self.queue and not self.users
 
     def step(self):
+        for user in [u for u in self.users if u[0].finished]:
+            self.users.remove(user)
+            request, turns, history = user
+            if turns:  # the same user goes on at once: its reply, then its next turn
+                reply = Message(role="assistant", content=self.tokenizer.decode(request.output_ids, skip_special_tokens=True))
+                self.queue.insert(0, (turns, history + [reply]))
+        admit = []
+        while self.queue and len(self.users) + len(admit) < self.batch:
+            turns, history = self.queue.pop(0)
+            history = history + turns[0]
+            ids = Prompt(messages=history).token_ids(self.tokenizer)
+            if len(ids) + MAX_TOKENS <= MAX_LEN:  # else the conversation ends (a server answers 400)
+                admit.append((ids, turns[1:], history))
         start = time.perf_counter()
-        while self.queue and self.engine.num_running < self.batch:
-            self.done.append(self.engine.add_request(self.queue.pop(0), SamplingParams(max_tokens=64, block_size=self.max_block)))
-        self.engine.step()
+        for ids, turns, history in admit:
+            request = self.engine.add_request(ids, SamplingParams(max_tokens=MAX_TOKENS, block_size=self.max_block))
+            self.users.append((request, turns, history))
+            self.done.append(request)
+        if self.engine.num_running:
+            self.engine.step()
         self.seconds += time.perf_counter() - start
 
     @property
     def num_finished(self):
-        return len(self.done) - self.engine.num_running
+        return len(self.done) - len(self.users)
 
     @property
     def tokens(self):
         return sum(len(r.output_ids) for r in self.done)
 
 
-def run(loaded, policies: dict, prompts, batch, max_block=None, desc=None) -> dict:
+def run(loaded, policies: dict, conversations, batch, max_block=None, desc=None) -> dict:
     """{name: (engine seconds, output tokens, engine stats)} for every policy, the lanes stepped in lockstep;
     `max_block`: each request's block cap (a server's max_block_size; None: the drafter's block)."""
-    lanes = {name: Lane(loaded, policy, prompts, batch, max_block) for name, policy in policies.items()}
+    lanes = {name: Lane(loaded, policy, conversations, batch, max_block) for name, policy in policies.items()}
     order = list(lanes.values())
-    with tqdm(total=len(prompts) * len(lanes), desc=desc, unit="request", leave=False) as bar:
+    with tqdm(total=sum(map(len, conversations)) * len(lanes), desc=desc, unit="request", leave=False) as bar:
         while not all(lane.finished for lane in order):
             for lane in order:
                 if not lane.finished:
@@ -98,7 +121,9 @@ def parse(description, batch, variants, variants_help, many=False):
     else:
         ap.add_argument("--scenario", default="chat", choices=SCENARIOS)
         ap.add_argument("--batch", type=int, default=batch, help="requests kept running")
-    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--prompts", type=int, default=48, help="conversations per scenario")
+    ap.add_argument("--turns", default="first", choices=("first", "all"),
+                    help="first: each conversation's first request; all: every turn, the replies in the history (the load test's users)")
     ap.add_argument("--variants", default=variants, help=variants_help)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-block", type=int, default=16, help="largest block (a server's max_block_size)")
@@ -114,11 +139,11 @@ def parse(description, batch, variants, variants_help, many=False):
 
 
 def setup(args, scenarios=None):
-    """The default model and drafter, each scenario's prompts as token ids, and a profiled adaptive policy."""
+    """The default model and drafter, each scenario's conversations (--turns) and a profiled adaptive policy."""
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
     batches = args.batch if isinstance(args.batch, list) else [args.batch]
-    prompts = {s: [p.token_ids(loaded.tokenizer) for p in first_turns(s, args.prompts)]
+    prompts = {s: [c if args.turns == "all" else c[:1] for c in conversations(s, args.prompts)]
                for s in (scenarios or [args.scenario])}
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_block_size=args.max_block,
                                            max_batch_size=max(max(batches), 2))
@@ -127,7 +152,8 @@ def setup(args, scenarios=None):
 
 def markdown(results, args) -> str:
     fixed = [v for v in args.variants.split(",") if v.startswith("b") and v != "b1"]
-    lines = [f"# Block policies in lockstep: {args.prompts} prompts per scenario, 64 greedy tokens, largest block "
+    what = "conversations, every turn" if args.turns == "all" else "prompts (first turns)"
+    lines = [f"# Block policies in lockstep: {args.prompts} {what} per scenario, 64 greedy tokens, largest block "
              f"{args.max_block}", "",
              "tok/s: output tokens per second of the variant's own engine time; the engines take turns step by step.", "",
              "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | adaptive / b1 |",

@@ -5,6 +5,7 @@ with the report it writes. Flag checks need no cluster."""
 
 import json
 import math
+import random
 
 import pytest
 
@@ -53,12 +54,17 @@ def test_traffic_is_real_and_held_out(tmp_path):
     with pytest.raises(ValueError, match="not arithmetic"):
         scenarios.calculate("__import__('os')")
 
-    # the one-process scripts' first requests: the same traffic as chat prompts
-    first = {s: scenarios.first_turns(s, 3) for s in ("chat", "rag", "agent")}
-    assert [p.messages[0].content for p in first["chat"]] == [c[0] for c in data["chat"][:3]]
-    assert all(p.messages[0].content.startswith("Answer the question using") for p in first["rag"])
-    for p in first["agent"]:
-        assert [m.role for m in p.messages] == ["system", "user"] and p.messages[0].content == scenarios.AGENT_SYSTEM
+    # the one-process scripts' conversations: the same traffic, turn by turn, as the users send it
+    held = {s: scenarios.conversations(s, 3) for s in ("chat", "rag", "agent")}
+    assert [[t[0].content for t in c] for c in held["chat"]] == data["chat"][:3]
+    assert all(len(c) == 1 and c[0][0].content.startswith("Answer the question using") for c in held["rag"])
+    for c in held["agent"]:
+        assert [[m.role for m in turn] for turn in c] == [["system", "user"], ["tool"]]
+        assert c[0][0].content == scenarios.AGENT_SYSTEM
+    assert [t["observation"] for t in scenarios.agent_tasks(retriever, 3, random.Random(scenarios.SEED))] \
+        == [c[1][0].content for c in held["agent"]]
+    first = scenarios.first_turns("agent", 3)
+    assert [p.messages for p in first] == [c[0] for c in held["agent"]]
 
 
 def test_median_run_of_repeats():
