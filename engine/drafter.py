@@ -124,16 +124,20 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
+    def keys_values(self, kv_in, rope):
+        """Keys (normed, rotated) and values [batch, kv heads, n, head dim] of kv_in [batch, n, hidden]."""
+        batch, cos, sin = kv_in.shape[0], *rope
+        k = self.k_norm(self.k_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rotary(k.transpose(1, 2), cos, sin), v
+
     def forward(self, x, ctx, rope, cache, layer, slots, write_pos, kv_len, mask):
         """x [batch, b, hidden] block; ctx [batch, c, hidden] projected target features."""
         batch, b, _ = x.shape
         cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(batch, b, self.num_heads, self.head_dim))
         q = apply_rotary(q.transpose(1, 2), cos[:, :, -b:], sin[:, :, -b:])
-        kv_in = torch.cat([ctx, x], dim=1)  # context keys come from the SAME k/v projections
-        k = self.k_norm(self.k_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim))
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        v = self.v_proj(kv_in).view(batch, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.keys_values(torch.cat([ctx, x], dim=1), rope)  # context keys come from the SAME k/v projections
         slot_ids, read_index = slots
         cache.write(layer, slot_ids, write_pos, k, v)
         keys, values = cache.read(layer, read_index, kv_len)
@@ -195,6 +199,17 @@ class Drafter(CachedModel):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope, cache, i, slots, write_pos, kv_len, mask)
         return self.norm(x)
+
+    def take_context(self, ctx_features, positions, cache, slots):
+        """Write target features' keys and values to the cache without drafting: what forward() does with
+        its context, apart from a block pass. ctx_features [batch, c, n_target_layers * hidden];
+        positions [batch, c] long, -1 = padding."""
+        ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
+        rope = self.rotary(positions.clamp_min(0), ctx.dtype)
+        slot_ids, _ = cache.batch_index(slots)
+        write_pos = torch.where(positions >= 0, positions, cache.max_len)
+        for i, layer in enumerate(self.layers):
+            cache.write(i, slot_ids, write_pos, *layer.self_attn.keys_values(ctx, rope))
 
 
 def check_drafter_fits(drafter_config: DrafterConfig, target_config: ModelConfig):

@@ -251,6 +251,44 @@ def test_new_prompts_alternate_with_decode_steps_and_outputs_stay_exact(monkeypa
     assert [r.output_ids for r in [first, *later]] == alone
 
 
+def test_long_backlogs_are_taken_in_apart_with_the_same_drafts(monkeypatch):
+    """A new request's prompt features (a long backlog) get a drafter pass of their own instead of the
+    batch's block pass padding every row to them: the same drafter cache and drafts as the padded pass;
+    the short backlogs of the running rows stay in the block pass."""
+    target, drafter = tiny_models()
+    shorts, long_prompt = random_prompts(3, TINY.vocab_size, seed=2), random_prompts(1, TINY.vocab_size, lo=300, hi=300)[0]
+
+    def draft_once(call_positions):
+        engine = Engine(target, drafter, max_slots=4, policy=FixedBlockPolicy(4))
+        engine.backlog_call_positions = call_positions
+        taken = []
+        take = engine.drafter.take_context
+        monkeypatch.setattr(engine.drafter, "take_context", lambda f, *a: taken.append(f.shape[1]) or take(f, *a))
+        params = SamplingParams(max_tokens=20, block_size=4)
+        for p in shorts:
+            engine.add_request(p, params)
+        engine.step()  # their prefill
+        engine.step()  # a drafting step takes in the prompts' features
+        engine.policy = FixedBlockPolicy(1)
+        engine.step()  # a block-1 step: each keeps a few positions' features
+        engine.add_request(long_prompt, params)
+        engine.step()  # its prefill
+        running = list(engine.requests.values())
+        widths = [r.pending_features.shape[0] for r in running]
+        block = engine.draft(running, [4] * len(running))
+        return widths, taken, block, engine.draft_cache
+
+    widths, taken, apart, cache = draft_once(64)
+    assert widths[-1] == 300 and max(widths[:-1]) <= 5 and taken == [300] and apart.caught_up == 300
+    _, never, padded, padded_cache = draft_once(None)
+    assert never == [] and padded.caught_up == 300
+    assert torch.equal(apart.block_ids, padded.block_ids)
+    torch.testing.assert_close(apart.confidence, padded.confidence)
+    positions = slice(0, cache.max_len)  # position max_len is where padding is written
+    torch.testing.assert_close(cache.k[:, :, :, positions], padded_cache.k[:, :, :, positions])
+    torch.testing.assert_close(cache.v[:, :, :, positions], padded_cache.v[:, :, :, positions])
+
+
 def test_stream_abort_frees_slots():
     target, drafter = tiny_models()
     engine = Engine(target, drafter, max_slots=2)
