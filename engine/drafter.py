@@ -189,11 +189,9 @@ class Drafter(CachedModel):
         block_end    [batch] long: one past each row's last block position
         returns the block's final hidden states [batch, b, hidden]
         """
-        ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
         x = block_embeds.to(self.dtype)
-        rope = self.rotary(positions.clamp_min(0), x.dtype)
+        ctx, rope, write_pos = self._context(ctx_features, positions, cache)
         slots = cache.batch_index(slots)
-        write_pos = torch.where(positions >= 0, positions, cache.max_len)
         key_pos = torch.arange(kv_len, device=x.device)
         mask = (key_pos < block_end[:, None])[:, None, None]  # [batch, 1, 1, kv_len]: non-causal
         for i, layer in enumerate(self.layers):
@@ -204,12 +202,18 @@ class Drafter(CachedModel):
         """Write target features' keys and values to the cache without drafting: what forward() does with
         its context, apart from a block pass. ctx_features [batch, c, n_target_layers * hidden];
         positions [batch, c] long, -1 = padding."""
-        ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
-        rope = self.rotary(positions.clamp_min(0), ctx.dtype)
+        ctx, rope, write_pos = self._context(ctx_features, positions, cache)
         slot_ids, _ = cache.batch_index(slots)
-        write_pos = torch.where(positions >= 0, positions, cache.max_len)
         for i, layer in enumerate(self.layers):
             cache.write(i, slot_ids, write_pos, *layer.self_attn.keys_values(ctx, rope))
+
+
+    def _context(self, ctx_features, positions, cache):
+        """The projected target features, the rotary tables of `positions`, and where each position's
+        keys go in the cache (padding, -1, to the spare position max_len)."""
+        ctx = self.hidden_norm(self.fc(ctx_features.to(self.dtype)))
+        rope = self.rotary(positions.clamp_min(0), self.dtype)
+        return ctx, rope, torch.where(positions >= 0, positions, cache.max_len)
 
 
 def check_drafter_fits(drafter_config: DrafterConfig, target_config: ModelConfig):

@@ -3,9 +3,10 @@ its own (the same model weights) and its own queue of the load test's conversati
 reply), `--batch` users in each: a user's next request joins as soon as its last one finishes, a server
 replica with that many steady users. With `--turns first` a user sends each conversation's first request
 only; with `--turns all` every turn, the replies so far in its history (an agent's second request carries
-its reply and the tool's observation), as the load test's users do. The engines take turns step by step, in reverse order every other round. A slow spell of
-the shared host then hits every variant alike. Run one after another, the same work was not comparable:
-block-1 steps took 45.8 ms in one variant's run and 72.3 ms in a run minutes later (agent, batch 4).
+its reply and the tool's observation), as the load test's users do. The engines take turns step by step,
+in reverse order every other round: a slow spell of the shared host then hits every variant alike. Run one
+after another, the same work was not comparable: block-1 steps took 45.8 ms in one variant's run and
+72.3 ms in a run minutes later (agent, batch 4).
 
 Each variant's figure is output tokens per second of its own engine's time (prefills included). Prints,
 per scenario and batch, every variant and the adaptive ones over the best fixed block (b2 and up: the
@@ -30,8 +31,8 @@ from engine.cli import comma_list  # noqa: E402
 from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
-from loadtest.run import fmt  # noqa: E402
 from engine.prompts import Message, Prompt  # noqa: E402
+from loadtest.run import fmt  # noqa: E402
 from loadtest.scenarios import conversations  # noqa: E402
 
 SCENARIOS = ("chat", "rag", "agent")
