@@ -116,6 +116,7 @@ class CostModel:
         shape = (len(self.contexts), len(self.batch_sizes), len(self.block_sizes))
         self.seconds = self._tables(self.seconds, shape)
         self.draft_seconds = self._tables(self.draft_seconds or [[[0.0] * shape[2]] * shape[1]] * shape[0], shape)
+        self._brackets = {}  # (grid, x) -> _bracket(grid, x); not a field: neither saved nor compared
 
     @staticmethod
     def _tables(tables, shape):
@@ -140,19 +141,28 @@ class CostModel:
         return max(self.cost(batch, block, context) - self.draft_cost(batch, block, context), 1e-9)
 
     def _interpolate(self, tables, batch, block, context):
-        lookup = lambda k: self._lookup(tables[k], batch, block)
+        (i0, i1, u), (j0, j1, v) = self._where("batch_sizes", batch), self._where("block_sizes", block)
+
+        def lookup(table):
+            row0 = table[i0][j0] + v * (table[i0][j1] - table[i0][j0])
+            row1 = table[i1][j0] + v * (table[i1][j1] - table[i1][j0])
+            return row0 + u * (row1 - row0)
+
         if context is None or len(self.contexts) == 1:
-            return lookup(0)
-        i, j, w = _bracket(self.contexts, context)
-        low, high = lookup(i), lookup(j)
+            return lookup(tables[0])
+        i, j, w = self._where("contexts", context)
+        low, high = lookup(tables[i]), lookup(tables[j])
         return low + w * (high - low) if w <= 1 else high + (w - 1) * max(0.0, high - low)
 
-    def _lookup(self, table, batch, block):
-        i0, i1, u = _bracket(self.batch_sizes, batch)
-        j0, j1, v = _bracket(self.block_sizes, block)
-        row0 = table[i0][j0] + v * (table[i0][j1] - table[i0][j0])
-        row1 = table[i1][j0] + v * (table[i1][j1] - table[i1][j0])
-        return row0 + u * (row1 - row0)
+    def _where(self, grid: str, x) -> tuple[int, int, float]:
+        """_bracket(getattr(self, grid), x), remembered: a policy asks ~15 costs a step at the same few points."""
+        key = (grid, x)
+        where = self._brackets.get(key)
+        if where is None:
+            if len(self._brackets) >= 4096:  # contexts grow without end: keep the memo small
+                self._brackets.clear()
+            where = self._brackets[key] = _bracket(getattr(self, grid), x)
+        return where
 
     def table_ms(self) -> str:
         """The tables as text, milliseconds, one row per batch size, one table per context."""
