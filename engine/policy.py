@@ -105,6 +105,10 @@ class CostModel:
     meta: dict = field(default_factory=dict)  # what was profiled: models, dtype, device
     contexts: list[int] = field(default_factory=lambda: [256])  # ascending; cached positions per row of each table
     draft_seconds: list | None = None  # as `seconds`: the drafter pass alone (None: zeros, all is verify)
+    # A ragged verify (rows of different sizes) costs the dense verify at its mean size moved this share of the
+    # way to its widest row's: attention runs on the padded layout. 1.0: as wide as its widest row, as measured
+    # on a CPU (scripts/ragged_verify.py); 0.0: only its real positions count.
+    ragged_share: float = 1.0
 
     def __post_init__(self):
         self.batch_sizes, self.block_sizes = [int(b) for b in self.batch_sizes], [int(b) for b in self.block_sizes]
@@ -136,9 +140,12 @@ class CostModel:
         return max(self._interpolate(self.draft_seconds, batch, block, context), 0.0)
 
     def verify_cost(self, batch: int, block: float, context: int | None = None) -> float:
-        """The target's share of cost(); `block` may be fractional: a ragged batch verifying that many
-        positions per row on average (the target's linear layers run on real rows only)."""
+        """The target's share of cost(); `block` may be fractional (see ragged_block)."""
         return max(self.cost(batch, block, context) - self.draft_cost(batch, block, context), 1e-9)
+
+    def ragged_block(self, mean: float, width: int) -> float:
+        """The dense block a ragged verify costs like: rows of `mean` positions on average, the widest `width`."""
+        return mean + self.ragged_share * (width - mean)
 
     def _interpolate(self, tables, batch, block, context):
         (i0, i1, u), (j0, j1, v) = self._where("batch_sizes", batch), self._where("block_sizes", block)
@@ -295,13 +302,18 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float, cha
     """Conditional acceptance per draft position, len(toward) positions.
 
     Observed counts are shrunk towards `toward` as if it were `weight` extra drafts at every
-    position: (accepted_k + weight * toward_k) / (reached_k + weight). Positions never reached
-    carry the previous estimate forward (optimistic: a good request tries a bigger block and so
-    learns its later positions). With no drafts at all the result is `toward` itself.
+    position: (accepted_k + weight * toward_k) / (reached_k + weight). A position never reached
+    takes the one before's estimate times toward's step between the two (toward_k / toward_k-1): a
+    request better than `toward` at its last drafted position is taken to be as much better past it.
+    With no drafts at all the result is `toward` itself. (Carrying the last estimate forward instead,
+    a request that had run block 2 only was expected to accept its second draft as often as its
+    first: 0.30 against 0.23 observed, and block 4 looked better than it was at batch 4.)
     `chained`: past the first position, shrink towards the previous position's estimate instead
-    (`toward` then only matters at position 1). Later positions are reached less and less often, so a
-    fixed prior weighs more there: with a prior of 0.5 the pool put the default drafter's position 3 at
-    0.24 where 0.18 was observed; chained, 0.21 (fixed block 4, batch 4, chat: scripts/policy_predictions.py).
+    (`toward` then only matters at position 1), and carry it forward where never reached (optimistic:
+    a good pool tries a bigger block and so learns its later positions). Later positions are reached
+    less and less often, so a fixed prior weighs more there: with a prior of 0.5 the pool put the default
+    drafter's position 3 at 0.24 where 0.18 was observed; chained, 0.21 (fixed block 4, batch 4, chat:
+    scripts/policy_predictions.py).
     """
     if not reached or reached[0] == 0:
         return list(toward)
@@ -310,52 +322,73 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float, cha
         r = reached[k] if k < len(reached) else 0
         if chained and k:
             p = out[-1]
-        out.append((accepted[k] + weight * p) / (r + weight) if r > 0 else out[-1])
+        if r > 0:
+            out.append((accepted[k] + weight * p) / (r + weight))
+        elif chained or toward[k - 1] <= 0:
+            out.append(out[-1])
+        else:
+            out.append(min(out[-1] * (p / toward[k - 1]), 1.0))
     return out
 
 
 class ConfidenceCalibration:
-    """P(a draft is accepted | it was verified and reached, its confidence), learned online.
+    """P(a draft is accepted | it was verified and reached, its confidence, its position), learned online.
 
     Counts per confidence bin, for greedy and sampled drafts apart (acceptance is an exact match for
-    one, probability min(1, p/q) for the other), shrunk towards the confidence itself (what a
-    calibrated drafter would give) with `prior_weight` drafts. A bin keeps at most `max_count` drafts'
-    worth of counts, so it follows a changing workload. Positions are pooled: for the default drafter
-    on held-out chat, acceptance by confidence bin was within noise of each other at positions 1 and 2
-    (0.04-0.84 over the bins at position 1; AUC of confidence for acceptance 0.79). Plain lists: a
-    step's handful of drafts costs less in Python than in tensor ops (this runs every step).
+    one, probability min(1, p/q) for the other), pooled over positions and shrunk towards the confidence
+    itself (what a calibrated drafter would give) with `prior_weight` drafts; and per position group
+    (draft 1, 2, ..., `positions` and later together), each shrunk towards its bin's pooled estimate
+    with `prior_weight` drafts. Later drafts hold less often at the same confidence: for the default
+    drafter at fixed block 4 (chat, batch 1), confidence 0.2-0.4 held 25% of the time at position 1
+    and 17% at position 2 (agent: 24% and 20%); pooled, the trim took position 2 and 3 drafts for
+    better than they were. A bin keeps at most `max_count` drafts' worth of counts, so it follows a
+    changing workload. Plain lists: a step's handful of drafts costs less in Python than in tensor ops
+    (this runs every step).
     """
 
-    def __init__(self, num_bins=20, prior_weight=8.0, max_count=4096.0):
-        self.num_bins, self.prior_weight, self.max_count = num_bins, prior_weight, max_count
+    def __init__(self, num_bins=20, prior_weight=8.0, max_count=4096.0, positions=3):
+        self.num_bins, self.prior_weight, self.max_count, self.positions = num_bins, prior_weight, max_count, positions
         self.centers = [(i + 0.5) / num_bins for i in range(num_bins)] * 2  # [greedy bins, sampled bins]
         self.reached = [0.0] * (2 * num_bins)
         self.accepted = [0.0] * (2 * num_bins)
         self._table = list(self.centers)
+        # by position group g: index g * 2 * num_bins + bin (bin as in `bin`, sampled ones after greedy)
+        self.reached_at = [0.0] * (positions * 2 * num_bins)
+        self.accepted_at = [0.0] * (positions * 2 * num_bins)
+        self._table_at = self.centers * positions
 
     def bin(self, confidence: float, sampled: bool) -> int:
         return min(max(int(confidence * self.num_bins), 0), self.num_bins - 1) + (self.num_bins if sampled else 0)
 
     def table(self) -> list[float]:
-        """Acceptance per bin (greedy bins, then sampled)."""
+        """Acceptance per bin (greedy bins, then sampled), pooled over positions."""
         return self._table
 
     def acceptance(self, confidence: list[float], sampled: bool) -> list[float]:
-        """Calibrated acceptance of one row's drafts, from their confidences."""
-        return [self._table[self.bin(c, sampled)] for c in confidence]
+        """Calibrated acceptance of one row's drafts (draft 1 first), from their confidences."""
+        size, last = 2 * self.num_bins, self.positions - 1
+        return [self._table_at[min(k, last) * size + self.bin(c, sampled)] for k, c in enumerate(confidence)]
 
     def observe(self, confidence: list[float], sampled: bool, num_verified: int, num_accepted: int):
         """One row: its first num_verified drafts (confidences `confidence[:num_verified]`) were
         verified and the first num_accepted of them held."""
+        size, w = 2 * self.num_bins, self.prior_weight
         for k in range(min(num_accepted + 1, num_verified)):
             b = self.bin(confidence[k], sampled)
-            self.reached[b] += 1
-            self.accepted[b] += k < num_accepted
-            if self.reached[b] > self.max_count:
-                scale = self.max_count / self.reached[b]
-                self.reached[b] *= scale
-                self.accepted[b] *= scale
-            self._table[b] = (self.accepted[b] + self.prior_weight * self.centers[b]) / (self.reached[b] + self.prior_weight)
+            g = min(k, self.positions - 1) * size + b
+            self._count(self.reached, self.accepted, b, k < num_accepted)
+            self._count(self.reached_at, self.accepted_at, g, k < num_accepted)
+            self._table[b] = (self.accepted[b] + w * self.centers[b]) / (self.reached[b] + w)
+            for i in range(b, len(self._table_at), size):  # every position group of this bin: its prior moved
+                self._table_at[i] = (self.accepted_at[i] + w * self._table[b]) / (self.reached_at[i] + w)
+
+    def _count(self, reached, accepted, i, held):
+        reached[i] += 1
+        accepted[i] += held
+        if reached[i] > self.max_count:
+            scale = self.max_count / reached[i]
+            reached[i] *= scale
+            accepted[i] *= scale
 
 
 @dataclass
@@ -418,12 +451,17 @@ class AdaptiveBlockPolicy(BlockPolicy):
 
     trim: with the drafts in hand, each draft's calibrated acceptance a_ik (ConfidenceCalibration of
     its confidence) makes r_ik = a_i1 ... a_ik the chance that request i's drafts 1..k all hold. The
-    target runs a ragged batch (its linear layers on real rows only), so verifying m drafts in all
-    costs about verify_cost(batch, 1 + m / batch); the best m drafts are the m largest r_ik (r falls
-    along a row, so they are a prefix of each row), and m is the one maximising
-    (batch + their sum) / (drafter pass + verify cost). The drafter pass is spent either way; counting
-    it keeps m at the step's real rate. Under load this verifies the drafts likely to hold, of any
-    request, and skips the rest: what no fixed block can do.
+    target runs a ragged batch (its linear layers on real rows only, attention on the padded layout), so
+    verifying m drafts in all, the widest row at w positions, costs about the dense verify at
+    CostModel.ragged_block(1 + m / batch, w). For each w the best m drafts are the m largest r_ik among
+    the first w - 1 of each row (r falls along a row, so they are a prefix of each row), and (w, m) is the
+    pair maximising (batch + their sum) / (drafter pass + verify cost). The drafter pass is spent either
+    way; counting it keeps m at the step's real rate. With the drafts in hand this verifies as far as they
+    are likely to hold, step by step: what no fixed block can do. Where only real positions cost
+    (ragged_share 0) it verifies the likely drafts of any request and skips the rest; on a CPU a ragged
+    verify costs about what its widest row's dense one does (share ~1, scripts/ragged_verify.py), and
+    cutting rows short below the widest saved nothing: the trim then picks one width for the step
+    (before stop 23 it costed the mean only, and adaptive ran 0.95-0.99x fixed block 2 at batch 4 and 16).
 
     Acceptance estimates for choose (conditional, per draft position):
     - request i: what it drafted, counted as ExpectedAcceptance (verified drafts as observed, trimmed
@@ -576,25 +614,30 @@ class AdaptiveBlockPolicy(BlockPolicy):
         batch, block = len(requests), max(block_sizes)
         if not self.trims or block == 1:
             return list(block_sizes)
-        candidates = []  # (P(drafts 1..k of row i all hold), i): a row's appear in order, so any top-m is a prefix of it
+        candidates = []  # (P(drafts 1..k+1 of row i all hold), k, i): a row's appear in order, so any top-m is a prefix of it
         for i, (r, row) in enumerate(zip(requests, confidence[:, : block - 1].tolist())):
             reach = 1.0
-            for a in self.calibration.acceptance(row[: block_sizes[i] - 1], r.params.temperature > 0):
+            for k, a in enumerate(self.calibration.acceptance(row[: block_sizes[i] - 1], r.params.temperature > 0)):
                 reach *= a
-                candidates.append((reach, i))
+                candidates.append((reach, k, i))
         candidates.sort(key=lambda c: -c[0])  # stable: ties keep a row's earlier drafts first
-        fixed = self.cost_model.draft_cost(batch, block, context) + self.overhead  # paid whatever is verified
-        verify = [self.cost_model.verify_cost(batch, b, context) for b in range(1, block + 1)]  # piecewise linear between
-        best, best_rate, gained = 0, -1.0, 0.0
-        for m in range(len(candidates) + 1):
-            if m:
-                gained += candidates[m - 1][0]
-            whole, part = divmod(m, batch)  # 1 + m / batch positions per row
-            seconds = fixed + verify[whole] + (part / batch) * (verify[whole + 1] - verify[whole] if part else 0.0)
-            if (batch + gained) / seconds > best_rate:
-                best, best_rate = m, (batch + gained) / seconds
-        sizes = [1] * batch
-        for _, i in candidates[:best]:
+        cost = self.cost_model
+        fixed = cost.draft_cost(batch, block, context) + self.overhead  # paid whatever is verified
+        verify = [cost.verify_cost(batch, b, context) for b in range(1, block + 1)]  # piecewise linear between
+        best, best_rate = (1, 0), batch / (fixed + verify[0])
+        for width in range(2, block + 1):  # the widest row verifies `width` positions (or fewer)
+            gained, m = 0.0, 0
+            for reach, k, _ in candidates:
+                if k >= width - 1:
+                    continue
+                gained, m = gained + reach, m + 1
+                x = cost.ragged_block(1 + m / batch, width) - 1  # index into verify, fractional
+                whole = min(int(x), block - 2)
+                seconds = fixed + verify[whole] + (x - whole) * (verify[whole + 1] - verify[whole])
+                if (batch + gained) / seconds > best_rate:
+                    best, best_rate = (width, m), (batch + gained) / seconds
+        sizes, (width, m) = [1] * batch, best
+        for _, _, i in [c for c in candidates if c[1] < width - 1][:m]:
             sizes[i] += 1
         return sizes
 

@@ -11,14 +11,19 @@ after another, the same work was not comparable: block-1 steps took 45.8 ms in o
 Each variant's figure is output tokens per second of its own engine's time (prefills included). Prints,
 per scenario and batch, every variant and the adaptive ones over the best fixed block (b2 and up: the
 load test's comparison) and over b1 (no drafting); with --out, writes report.md, report.json and a plot.
+With `--repeats N` a cell runs N times, each time on `--prompts` conversations of its own (the next ones
+of the scenario): the figures are pooled over the repeats (tokens over seconds), the best fixed block is
+the best pooled one (not the luckiest of one run), and each repeat's adaptive / that block is listed, so
+a cell's spread shows next to its ratio.
 
     .venv/bin/python scripts/policy_continuous.py --scenario chat,rag,agent --batch 1,4,16 --prompts 32 \\
         --max-block 4 --variants b1,b2,b4,adaptive --out docs/loadtest/lockstep
 """
 
 import argparse
+import collections
+import importlib.util
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,7 +37,7 @@ from engine.engine import Engine, SamplingParams  # noqa: E402
 from engine.loading import load, stop_token_ids  # noqa: E402
 from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy  # noqa: E402
 from engine.prompts import Message, Prompt  # noqa: E402
-from loadtest.run import fmt  # noqa: E402
+from loadtest.run import fmt, geomean_interval  # noqa: E402
 from loadtest.scenarios import conversations  # noqa: E402
 
 SCENARIOS = ("chat", "rag", "agent")
@@ -106,16 +111,24 @@ def run(loaded, policies: dict, conversations, batch, max_block=None, desc=None)
     return {name: (lane.seconds, lane.tokens, lane.engine.stats) for name, lane in lanes.items()}
 
 
-def make_policy(name, profiled):
-    """A variant's block policy; None for ar (the engine then has no drafter: the load test's AR server)."""
+def drafting_fixed(name) -> bool:
+    """A fixed block of 2 or more on the current engine (b2, b4, ...): what adaptive is compared with."""
+    return name.startswith("b") and name[1:].isdigit() and int(name[1:]) >= 2
+
+
+def make_policy(name, profiled, baseline=None):
+    """A variant's block policy; None for ar (the engine then has no drafter: the load test's AR server).
+    `baseline`: a module with an AdaptiveBlockPolicy (another version of engine/policy.py) for the variant of that name."""
     name = name.removesuffix(PADDED)
     if name == "ar":
         return None
+    if name == "baseline" and baseline is not None:
+        return baseline.AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes)
     if name.startswith("b") and name[1:].isdigit() and int(name[1:]) >= 1:
         return FixedBlockPolicy(int(name[1:]))
     if name in ("adaptive", "adaptive-notrim"):
         return AdaptiveBlockPolicy(profiled.cost_model, profiled.block_sizes, trim=name == "adaptive")
-    raise ValueError(f"--variants: unknown variant {name!r} (ar, b<N>, adaptive, adaptive-notrim; any but ar with {PADDED})")
+    raise ValueError(f"--variants: unknown variant {name!r} (ar, b<N>, adaptive, adaptive-notrim, baseline with --baseline; any but ar with {PADDED})")
 
 
 def parse(description, batch, variants, variants_help, many=False):
@@ -134,11 +147,14 @@ def parse(description, batch, variants, variants_help, many=False):
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-block", type=int, default=16, help="largest block (a server's max_block_size)")
     if many:
+        ap.add_argument("--repeats", type=int, default=1, help="runs per cell, each on conversations of its own")
+        ap.add_argument("--baseline", default=None, help="another version of engine/policy.py (e.g. `git show REV:engine/policy.py "
+                        "> old.py`): its adaptive policy is the variant `baseline`, on the same cost table")
         ap.add_argument("--out", default=None, help="folder for report.md, report.json and lockstep.png")
     args = ap.parse_args()
     batches = args.batch if many else [args.batch]
-    if min(batches, default=0) < 1 or args.prompts < 1 or args.max_block < 1:
-        ap.error("--batch, --prompts and --max-block must be >= 1")
+    if min(batches, default=0) < 1 or args.prompts < 1 or args.max_block < 1 or getattr(args, "repeats", 1) < 1:
+        ap.error("--batch, --prompts, --max-block and --repeats must be >= 1")
     if many and (not args.scenario or not set(args.scenario) <= set(SCENARIOS)):
         ap.error(f"--scenario: a comma list of {', '.join(SCENARIOS)}")
     return ap, args
@@ -149,7 +165,8 @@ def setup(args, scenarios=None):
     torch.set_num_threads(1)
     loaded = load(None, "default", args.dtype, "cpu")
     batches = args.batch if isinstance(args.batch, list) else [args.batch]
-    prompts = {s: [c if args.turns == "all" else c[:1] for c in conversations(s, args.prompts)]
+    n = args.prompts * getattr(args, "repeats", 1)
+    prompts = {s: [c if args.turns == "all" else c[:1] for c in conversations(s, n)]
                for s in (scenarios or [args.scenario])}
     profiled = AdaptiveBlockPolicy.profile(loaded.target, loaded.drafter, max_block_size=args.max_block,
                                            max_batch_size=max(max(batches), 2))
@@ -157,22 +174,28 @@ def setup(args, scenarios=None):
 
 
 def markdown(results, args) -> str:
-    fixed = [v for v in args.variants.split(",") if v.startswith("b") and v != "b1" and not v.endswith(PADDED)]
+    fixed = [v for v in args.variants.split(",") if drafting_fixed(v)]
     what = "conversations, every turn" if args.turns == "all" else "prompts (first turns)"
-    lines = [f"# Block policies in lockstep: {args.prompts} {what} per scenario, 64 greedy tokens, largest block "
-             f"{args.max_block}", "",
-             "tok/s: output tokens per second of the variant's own engine time; the engines take turns step by step.", "",
-             "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | adaptive / b1 |",
-             "|---|---|" + "---|" * (len(results[0]["tok_s"]) + 2)]
+    repeats = getattr(args, "repeats", 1)
+    lines = [f"# Block policies in lockstep: {args.prompts} {what} per scenario" + (
+             f", {repeats} repeats on conversations of their own" if repeats > 1 else "")
+             + f", 64 greedy tokens, largest block {args.max_block}", "",
+             "tok/s: output tokens per second of the variant's own engine time (pooled over the repeats); the engines "
+             "take turns step by step.", "",
+             "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | by repeat | adaptive / b1 |",
+             "|---|---|" + "---|" * (len(results[0]["tok_s"]) + 3)]
     for cell in results:
         rate = cell["tok_s"]
         lines.append(f"| {cell['scenario']} | {cell['batch']} | " + " | ".join(f"{r:.1f}" for r in rate.values())
                      + f" | {fmt(cell.get('adaptive_vs_best_fixed'), '.3f')} ({cell.get('best_fixed', '-')}) | "
-                     + f"{fmt(cell.get('adaptive_vs_b1'), '.3f')} |")
+                     + (", ".join(f"{r:.3f}" for r in cell.get("adaptive_vs_best_fixed_runs", [])) or "-")
+                     + f" | {fmt(cell.get('adaptive_vs_b1'), '.3f')} |")
     if fixed:
-        ratios = [c["adaptive_vs_best_fixed"] for c in results if "adaptive_vs_best_fixed" in c]
-        lines += ["", f"Adaptive over the best fixed block ({', '.join(fixed)}): geometric mean "
-                      f"{statistics.geometric_mean(ratios):.3f}, lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]
+        ratios = [r for c in results for r in c.get("adaptive_vs_best_fixed_runs", [])]
+        ci = geomean_interval(ratios)
+        lines += ["", f"Adaptive over the best fixed block ({', '.join(fixed)}), every repeat of every cell: geometric mean "
+                      f"{ci['geomean']:.3f} (95% bootstrap interval {ci['low']:.3f}-{ci['high']:.3f}, {ci['n']} runs), "
+                      f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}."]
     return "\n".join(lines)
 
 
@@ -196,34 +219,55 @@ def plot(results, path):
     fig.savefig(path, dpi=120)
 
 
+def run_cell(loaded, profiled, names, conversations, batch, args, scenario, baseline=None) -> dict:
+    """One scenario at one batch, `args.repeats` times on conversations of its own: per variant the pooled
+    tok/s (all tokens over all seconds) and each repeat's; the adaptive variant over the best pooled fixed
+    block (b2 and up), pooled and by repeat, and over b1."""
+    runs = []
+    for r in range(args.repeats):
+        part = conversations[r * args.prompts:(r + 1) * args.prompts]
+        runs.append(run(loaded, {name: make_policy(name, profiled, baseline) for name in names}, part, batch, args.max_block,
+                        desc=f"{scenario} batch {batch}" + (f" repeat {r + 1}/{args.repeats}" if args.repeats > 1 else "")))
+    seconds = {k: sum(out[k][0] for out in runs) for k in names}
+    rate = {k: sum(out[k][1] for out in runs) / seconds[k] for k in names}
+    rows = {k: collections.Counter() for k in names}
+    for out in runs:
+        for k, (_, _, stats) in out.items():
+            rows[k].update(stats.block_sizes)
+    cell = {"scenario": scenario, "batch": batch, "tok_s": rate, "seconds": seconds,
+            "tok_s_runs": {k: [out[k][1] / out[k][0] for out in runs] for k in names},
+            "verified_rows_by_block": {k: dict(sorted(c.items())) for k, c in rows.items()}}
+    fixed = [k for k in rate if drafting_fixed(k)]
+    if "adaptive" in rate and fixed:
+        best = cell["best_fixed"] = max(fixed, key=rate.get)
+        cell["adaptive_vs_best_fixed"] = rate["adaptive"] / rate[best]
+        cell["adaptive_vs_best_fixed_runs"] = [a / f for a, f in zip(cell["tok_s_runs"]["adaptive"], cell["tok_s_runs"][best])]
+    if "adaptive" in rate and "b1" in rate:
+        cell["adaptive_vs_b1"] = rate["adaptive"] / rate["b1"]
+    return cell
+
+
 def main():
     ap, args = parse(__doc__.split("\n")[0], 16, "b1,b2,b4,adaptive", f"comma list of ar, b<N>, adaptive, adaptive-notrim (with {PADDED}: backlogs padded into the block pass)",
                      many=True)
     names = args.variants.split(",")
     loaded, prompts, profiled = setup(args, args.scenario)
+    baseline = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("baseline_policy", args.baseline)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
     try:
-        [make_policy(name, profiled) for name in names]
+        [make_policy(name, profiled, baseline) for name in names]
     except ValueError as e:
         ap.error(str(e))
     results = []
     for scenario in args.scenario:
         for batch in args.batch:
-            out = run(loaded, {name: make_policy(name, profiled) for name in names}, prompts[scenario], batch,
-                      args.max_block, desc=f"{scenario} batch {batch}")
-            cell = {"scenario": scenario, "batch": batch, "tok_s": {k: t / s for k, (s, t, _) in out.items()},
-                    "seconds": {k: s for k, (s, _, _) in out.items()},
-                    "verified_rows_by_block": {k: dict(sorted(st.block_sizes.items())) for k, (_, _, st) in out.items()}}
-            rate = cell["tok_s"]
-            fixed = [k for k in rate if k.startswith("b") and k != "b1" and not k.endswith(PADDED)]
-            if "adaptive" in rate and fixed:
-                cell["best_fixed"] = max(fixed, key=rate.get)
-                cell["adaptive_vs_best_fixed"] = rate["adaptive"] / rate[cell["best_fixed"]]
-            if "adaptive" in rate and "b1" in rate:
-                cell["adaptive_vs_b1"] = rate["adaptive"] / rate["b1"]
-            results.append(cell)
-            print(f"{scenario} batch {batch}: " + ", ".join(f"{k} {r:.1f} tok/s" for k, r in rate.items())
-                  + (f"; adaptive / best fixed ({cell['best_fixed']}) {cell['adaptive_vs_best_fixed']:.3f}"
-                     if "best_fixed" in cell else "")
+            results.append(cell := run_cell(loaded, profiled, names, prompts[scenario], batch, args, scenario, baseline))
+            print(f"{scenario} batch {batch}: " + ", ".join(f"{k} {r:.1f} tok/s" for k, r in cell["tok_s"].items())
+                  + (f"; adaptive / best fixed ({cell['best_fixed']}) {cell['adaptive_vs_best_fixed']:.3f}, by repeat "
+                     + ", ".join(f"{r:.3f}" for r in cell["adaptive_vs_best_fixed_runs"]) if "best_fixed" in cell else "")
                   + f"; verified rows by block {cell['verified_rows_by_block']}", flush=True)
     report = markdown(results, args)
     print(report)

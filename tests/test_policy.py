@@ -116,6 +116,20 @@ def test_unreached_positions_carry_the_last_estimate_forward():
     assert policy.choose([r], [16]) == [16]  # so it tries a bigger block and learns
 
 
+def test_a_request_past_its_drafted_positions_follows_the_pools_later_positions():
+    """A request that only ran block 2 knows its first draft's acceptance alone: its second is the pool's
+    second, scaled by how much better than the pool its first was (not its first carried forward, which
+    made block 4 look better than it was)."""
+    policy = AdaptiveBlockPolicy(synthetic_cost(), prior=0.5, min_drafts=8, request_drafts=8)
+    policy.choose([fake_request([0.4, 0.1, 0.1], drafts=2000, block=4, seed=1)], [4])  # the pool: positions 1-3
+    pooled = policy.pooled_acceptance(3)
+    good = fake_request([0.8], drafts=200, block=2, seed=2)
+    a = policy.acceptance(good.stats, 3)
+    assert a[0] == pytest.approx(0.8, abs=0.06) and pooled[1] == pytest.approx(0.1, abs=0.03)
+    assert a[1] == pytest.approx(pooled[1] * a[0] / pooled[0]) and a[1] < 0.4  # carried forward: ~0.8
+    assert a[2] == pytest.approx(a[1] * pooled[2] / pooled[1])
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_the_choice_maximises_expected_tokens_per_second(seed):
     rng = random.Random(seed)
@@ -400,6 +414,24 @@ def test_calibration_learns_acceptance_by_confidence_and_follows_a_change():
     assert calibration.acceptance([0.05, 0.95], True) == [pytest.approx(0.05), pytest.approx(0.95)]
 
 
+def test_calibration_learns_each_draft_position_apart():
+    """At the same confidence a drafter's later drafts may hold less often: each position group learns its
+    own acceptance, starting from the bin's estimate pooled over positions."""
+    calibration, rng = ConfidenceCalibration(num_bins=10, prior_weight=8), random.Random(0)
+    assert calibration.acceptance([0.55] * 4, False) == [pytest.approx(0.55)] * 4  # no data: the confidence
+    for _ in range(3000):
+        num_accepted = 0
+        for p in (0.6, 0.3, 0.3):
+            if rng.random() >= p:
+                break
+            num_accepted += 1
+        calibration.observe([0.55] * 3, False, 3, num_accepted)
+    a1, a2, a3, a4 = calibration.acceptance([0.55] * 4, False)
+    assert a1 == pytest.approx(0.6, abs=0.04) and a2 == pytest.approx(0.3, abs=0.05)
+    assert a3 == pytest.approx(0.3, abs=0.08) and a4 == a3  # position 3 and later: one group
+    assert a2 < calibration.table()[5] < a1  # pooled over positions: between
+
+
 def test_drafted_outcome_counts_unverified_drafts_at_their_expectation():
     # 2 of 4 drafts verified, both held: drafts 3 and 4 are reached with 1 and 0.5, accepted with 0.5 and 0.25
     assert drafted_outcome([0.9, 0.9, 0.5, 0.5], 2, 2) == ([1, 1, 1, 0.5], [1, 1, 0.5, 0.25])
@@ -409,11 +441,12 @@ def test_drafted_outcome_counts_unverified_drafts_at_their_expectation():
     assert drafted_outcome([0.5, 0.5], 0, 0) == ([1, 0.5], [0.5, 0.25])
 
 
-def ragged_cost(fixed_ms=20.0, per_token_ms=1.5, draft_ms=2.0, grid=GRID):
-    """synthetic_cost plus a drafter pass of draft_ms per step with drafts (its share of the table)."""
+def ragged_cost(fixed_ms=20.0, per_token_ms=1.5, draft_ms=2.0, grid=GRID, ragged_share=0.0):
+    """synthetic_cost plus a drafter pass of draft_ms per step with drafts (its share of the table); by
+    default a ragged verify costs only its real positions."""
     seconds = [[(fixed_ms + per_token_ms * n * b + (draft_ms if b > 1 else 0)) / 1e3 for b in grid] for n in grid]
     draft = [[(draft_ms if b > 1 else 0) / 1e3 for b in grid] for _ in grid]
-    return CostModel(grid, grid, seconds, draft_seconds=draft)
+    return CostModel(grid, grid, seconds, draft_seconds=draft, ragged_share=ragged_share)
 
 
 def brute_force_trim(policy, block_sizes, confidence, context=None):
@@ -424,7 +457,7 @@ def brute_force_trim(policy, block_sizes, confidence, context=None):
     best, best_rate = None, -1.0
     for sizes in itertools.product(*[range(1, b + 1) for b in block_sizes]):
         tokens = sum(expected_tokens(a[: s - 1])[-1] for a, s in zip(acceptance, sizes))
-        rate = tokens / (draft + cost.verify_cost(n, sum(sizes) / n, context))
+        rate = tokens / (draft + cost.verify_cost(n, cost.ragged_block(sum(sizes) / n, max(sizes)), context))
         if rate > best_rate + 1e-12:
             best, best_rate = list(sizes), rate
     return best, best_rate
@@ -444,11 +477,23 @@ def test_trim_verifies_the_drafts_likely_to_hold():
     assert steep.trim([fake_request(), fake_request()], [2, 4], confidence, None)[0] <= 2  # never past the block
 
 
+def test_trim_keeps_one_width_when_a_ragged_verify_costs_its_widest_row():
+    """On a CPU a ragged verify costs about the dense verify of its widest row (attention runs padded):
+    then cutting some rows short saves nothing, and trim only picks how wide the whole step verifies."""
+    sure, unsure = [0.97] * 3, [0.05] * 3
+    confidence = torch.tensor([sure, unsure])
+    steep = AdaptiveBlockPolicy(ragged_cost(fixed_ms=20, per_token_ms=6, ragged_share=1.0))
+    assert steep.trim([fake_request(), fake_request()], [4, 4], confidence, None) == [4, 4]
+    assert steep.trim([fake_request(), fake_request()], [4, 4], torch.tensor([unsure, unsure]), None) == [1, 1]
+    rows = torch.rand(16, 3, generator=torch.Generator().manual_seed(0))
+    assert len(set(steep.trim([fake_request() for _ in range(16)], [4] * 16, rows, None))) == 1
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_trim_maximises_its_objective(seed):
     rng = random.Random(seed)
     policy = AdaptiveBlockPolicy(ragged_cost(fixed_ms=rng.uniform(5, 50), per_token_ms=rng.uniform(0.1, 10),
-                                             draft_ms=rng.uniform(0, 10)))
+                                             draft_ms=rng.uniform(0, 10), ragged_share=rng.choice([0.0, 0.5, 1.0])))
     n = rng.choice([1, 2, 3])
     block_sizes = [rng.choice([1, 2, 3, 4]) for _ in range(n)]
     confidence = torch.tensor([[rng.random() for _ in range(3)] for _ in range(n)])
@@ -457,7 +502,7 @@ def test_trim_maximises_its_objective(seed):
     acceptance = [policy.calibration.acceptance(row, False) for row in confidence.tolist()]
     tokens = sum(expected_tokens(a[: s - 1])[-1] for a, s in zip(acceptance, sizes))
     cost = policy.cost_model
-    rate = tokens / (cost.draft_cost(n, max(block_sizes)) + cost.verify_cost(n, sum(sizes) / n))
+    rate = tokens / (cost.draft_cost(n, max(block_sizes)) + cost.verify_cost(n, cost.ragged_block(sum(sizes) / n, max(sizes))))
     assert rate == pytest.approx(best_rate, rel=1e-9), (sizes, best)
 
 
