@@ -146,6 +146,17 @@ def test_bad_custom_resources_fail_by_name(field, value, message):
 # ---- serve deploy to a local multi-node cluster --------------------------------------------------------
 
 
+def cluster_ports(num_nodes: int) -> tuple[int, int]:
+    """A free GCS port and a free dashboard port for scripts/local_cluster.sh, which derives every node's other
+    ports from the GCS port up to 1,200 + 200 per node above it: the dashboard's must not fall among them (a
+    dashboard port drawn inside the worker port range failed `ray start`), nor may they pass 65535."""
+    span = 1200 + 200 * num_nodes
+    while True:
+        gcs, dashboard = free_port(), free_port()
+        if gcs + span <= 65535 and not gcs <= dashboard < gcs + span:
+            return gcs, dashboard
+
+
 @pytest.fixture
 def local_cluster(request):
     """scripts/local_cluster.sh with its own short temp dir and free ports, one CPU per node, and 2 nodes
@@ -153,8 +164,9 @@ def local_cluster(request):
     its processes and checks that none is left."""
     num_nodes = getattr(request, "param", 2)
     run_dir = Path(f"/tmp/dfc-{os.getpid()}")  # short: Ray puts unix sockets under it
-    env = {**os.environ, "DFLASH_CLUSTER_DIR": str(run_dir), "DFLASH_CLUSTER_PORT": str(free_port()),
-           "DFLASH_CLUSTER_DASHBOARD_PORT": str(free_port()), "DFLASH_CLUSTER_CPUS": "1", "RAY_AUTH_MODE": "token",
+    gcs, dashboard = cluster_ports(num_nodes)
+    env = {**os.environ, "DFLASH_CLUSTER_DIR": str(run_dir), "DFLASH_CLUSTER_PORT": str(gcs),
+           "DFLASH_CLUSTER_DASHBOARD_PORT": str(dashboard), "DFLASH_CLUSTER_CPUS": "1", "RAY_AUTH_MODE": "token",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     start = subprocess.run([str(SCRIPT), "start", str(num_nodes)], env=env, capture_output=True, text=True,
                            timeout=180)
