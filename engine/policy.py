@@ -626,12 +626,15 @@ class AdaptiveBlockPolicy(BlockPolicy):
         verify = [cost.verify_cost(batch, b, context) for b in range(1, block + 1)]  # piecewise linear between
         best, best_rate = (1, 0), batch / (fixed + verify[0])
         for width in range(2, block + 1):  # the widest row verifies `width` positions (or fewer)
+            # the dense block costed, minus 1 (an index into verify), is linear in m: x0 + m * slope
+            x0 = cost.ragged_block(1, width) - 1
+            slope = (cost.ragged_block(2, width) - 1 - x0) / batch
             gained, m = 0.0, 0
             for reach, k, _ in candidates:
                 if k >= width - 1:
                     continue
                 gained, m = gained + reach, m + 1
-                x = cost.ragged_block(1 + m / batch, width) - 1  # index into verify, fractional
+                x = x0 + m * slope
                 whole = min(int(x), block - 2)
                 seconds = fixed + verify[whole] + (x - whole) * (verify[whole + 1] - verify[whole])
                 if (batch + gained) / seconds > best_rate:
