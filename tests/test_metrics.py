@@ -43,7 +43,6 @@ TOPOLOGIES = {  # name -> (application, route prefix, config); both fit the sess
     "disaggregated": ("metrics-disagg", "/m-disagg", dict(
         topology="disaggregated", num_cpus=0.5, drafter_num_cpus=0.5, max_slots=4)),
 }
-RATE_WINDOW = "5m"
 
 
 def promql(url: str, query: str) -> list[dict]:
@@ -57,8 +56,8 @@ def scalar(url: str, query: str) -> float | None:
     return float(result[0]["value"][1]) if result else None
 
 
-def fill(expr: str, application: str, model: str) -> str:
-    return expr.replace("$application", application).replace("$model", model).replace("$__rate_interval", RATE_WINDOW)
+def fill(expr: str, application: str, model: str, window: str) -> str:
+    return expr.replace("$application", application).replace("$model", model).replace("$__rate_interval", window)
 
 
 # ---- fixtures -------------------------------------------------------------------------------
@@ -228,13 +227,33 @@ def test_every_dashboard_panel_query_returns_data(prometheus, load_run, topology
     app, model, usages = runs[topology]
     _wait_for(prometheus, f'sum(ray_dflash_e2e_latency_seconds_count{{model="{model}"}})',
               lambda v: v == len(usages), "every request recorded")
+    # A rate needs two samples in its window, so the window spans the run: the warm-up's counts (which
+    # the fixture waited for) and the last ones are both in it. A 5 m window once held no two samples
+    # of the drafts counter in CI, late in the session, where scrapes of Ray's agent can time out.
+    window = f"{int(time.time() - start) + 10}s"
     empty = []
     for title, expr in panel_queries(build_dashboard()):
-        series = query_range(prometheus, fill(expr, app, model), start - 10, time.time(), step_s=2)
+        series = query_range(prometheus, fill(expr, app, model, window), start - 10, time.time(), step_s=2)
         values = [float(v) for s in series for _, v in s["values"]]
         if not any(math.isfinite(v) for v in values):
             empty.append(f"{title}: {expr} -> {len(series)} series, no finite value")
-    assert not empty, "panel queries without data during the run:\n" + "\n".join(empty)
+    assert not empty, ("panel queries without data during the run:\n" + "\n".join(empty)
+                       + _history(prometheus, f'ray_dflash_num_drafts_total{{model="{model}"}}', start))
+
+
+def _history(url: str, selector: str, start: float) -> str:
+    """What Prometheus stored of a series and of its scrapes since start: each series' values where they
+    changed (seconds since start) and the failed scrapes, for a failure message."""
+    window = f"[{int(time.time() - start) + 10}s]"
+    lines = [f"\nsamples of {selector} since the run's start:"]
+    for series in promql(url, selector + window):
+        changes = [(t, v) for i, (t, v) in enumerate(series["values"]) if i == 0 or v != series["values"][i - 1][1]]
+        lines.append(f"  {series['metric']}: {[(round(t - start), v) for t, v in changes]}"
+                     f" ({len(series['values'])} samples, last at {series['values'][-1][0] - start:.0f} s)")
+    for series in promql(url, "up" + window):
+        failed = [round(t - start) for t, v in series["values"] if v == "0"]
+        lines.append(f"  up{series['metric']}: {len(series['values'])} scrapes, failed at {failed}")
+    return "\n".join(lines)
 
 
 def test_plot_of_a_panel_from_prometheus(prometheus, load_run, tmp_path):
