@@ -47,15 +47,20 @@ PADDED = "-padded"  # a variant's suffix: its engine pads every drafter backlog 
 
 class Lane:
     """One variant's engine, its queue of conversations (a user holds one at a time: its next turn, with the
-    reply to the last in the history, joins as soon as that reply is done) and the engine time it has used."""
+    reply to the last in the history, joins as soon as that reply is done) and the engine time it has used.
+    `replies` is shared by the lanes: a turn's reply in the history is the one the first lane to finish that
+    turn generated, so every lane sends the same requests. (Greedy outputs can differ between variants in
+    the last bits of a batched verify's logits; with each lane's own replies in its history the workloads
+    drifted apart: stop 23's agent run at batch 16 generated 1,895 tokens in b4's lane, 1,751 in b2's.)"""
 
-    def __init__(self, loaded, policy, conversations, batch, max_block):
+    def __init__(self, loaded, policy, conversations, batch, max_block, replies: dict):
         drafter = None if policy is None else loaded.drafter  # ar: an engine without a drafter (no target features)
         self.engine = Engine(loaded.target, drafter, max_slots=batch, max_len=MAX_LEN, policy=policy,
                              stop_token_ids=stop_token_ids(loaded.target_path))
         self.tokenizer, self.batch, self.max_block, self.seconds = loaded.tokenizer, batch, max_block, 0.0
-        self.queue = [(list(turns), []) for turns in conversations]  # (turns to come, history)
-        self.users, self.done = [], []  # (request, turns to come, history) running; every request made
+        self.replies = replies  # (conversation, turns to come after the reply) -> the reply's text
+        self.queue = [(c, list(turns), []) for c, turns in enumerate(conversations)]  # (conversation, turns to come, history)
+        self.users, self.done = [], []  # (request, conversation, turns to come, history) running; every request made
 
     @property
     def finished(self):
@@ -64,21 +69,22 @@ class Lane:
     def step(self):
         for user in [u for u in self.users if u[0].finished]:
             self.users.remove(user)
-            request, turns, history = user
-            if turns:  # the same user goes on at once: its reply, then its next turn
-                reply = Message(role="assistant", content=self.tokenizer.decode(request.output_ids, skip_special_tokens=True))
-                self.queue.insert(0, (turns, history + [reply]))
+            request, conversation, turns, history = user
+            if turns:  # the same user goes on at once: the turn's reply, then its next turn
+                text = self.replies.setdefault((conversation, len(turns)), self.tokenizer.decode(
+                    request.output_ids, skip_special_tokens=True))
+                self.queue.insert(0, (conversation, turns, history + [Message(role="assistant", content=text)]))
         admit = []
         while self.queue and len(self.users) + len(admit) < self.batch:
-            turns, history = self.queue.pop(0)
+            conversation, turns, history = self.queue.pop(0)
             history = history + turns[0]
             ids = Prompt(messages=history).token_ids(self.tokenizer)
             if len(ids) + MAX_TOKENS <= MAX_LEN:  # else the conversation ends (a server answers 400)
-                admit.append((ids, turns[1:], history))
+                admit.append((ids, conversation, turns[1:], history))
         start = time.perf_counter()
-        for ids, turns, history in admit:
+        for ids, conversation, turns, history in admit:
             request = self.engine.add_request(ids, SamplingParams(max_tokens=MAX_TOKENS, block_size=self.max_block))
-            self.users.append((request, turns, history))
+            self.users.append((request, conversation, turns, history))
             self.done.append(request)
         if self.engine.num_running:
             self.engine.step()
@@ -96,7 +102,8 @@ class Lane:
 def run(loaded, policies: dict, conversations, batch, max_block=None, desc=None) -> dict:
     """{name: (engine seconds, output tokens, engine stats)} for every policy, the lanes stepped in lockstep;
     `max_block`: each request's block cap (a server's max_block_size; None: the drafter's block)."""
-    lanes = {name: Lane(loaded, policy, conversations, batch, max_block) for name, policy in policies.items()}
+    replies = {}
+    lanes = {name: Lane(loaded, policy, conversations, batch, max_block, replies) for name, policy in policies.items()}
     for name, lane in lanes.items():
         if name.endswith(PADDED):
             lane.engine.backlog_call_positions = None
