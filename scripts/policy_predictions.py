@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.policy import AdaptiveBlockPolicy, BlockPolicy  # noqa: E402
 from policy_continuous import parse, run, setup  # noqa: E402  (this folder: sys.path[0] when run as a script)
 
-BLOCKS = (1, 2, 4, 8)
+BLOCKS = (1, 2, 3, 4, 8)
 
 
 class Shadowed(BlockPolicy):

@@ -350,7 +350,7 @@ def test_profile_on_tiny_models_plugs_into_the_engine(tmp_path):
     policy = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path,
                                          contexts=(8, 16), repeats=1)
     cost = policy.cost_model
-    assert cost.batch_sizes == [1, 2, 3] and cost.block_sizes == [1, 2, 4] and policy.block_sizes == [1, 2, 4]
+    assert cost.batch_sizes == [1, 2, 3] and cost.block_sizes == [1, 2, 3, 4] and policy.block_sizes == [1, 2, 3, 4]
     assert all(t > 0 for table in cost.seconds for row in table for t in row) and path.exists()
     reused = AdaptiveBlockPolicy.profile(target, drafter, max_block_size=4, max_batch_size=3, path=path,
                                          contexts=(8, 16))
