@@ -182,7 +182,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt = subs.add_parser("loadtest", help="Locust chat/RAG/agent load: speculation on vs off, fixed vs adaptive blocks")
     lt.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
     lt.add_argument("--users", type=comma_list(int), default=[1, 4, 16], help="comma list of concurrent users")
-    lt.add_argument("--variants", type=comma_list(str), default=["ar", "b2", "b4", "b8", "adaptive"],
+    lt.add_argument("--variants", type=comma_list(str), default=["ar", "b2", "b3", "b4", "b8", "adaptive"],
                     help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
     lt.add_argument("--run-time", type=float, default=30.0, help="seconds of load per scenario, user count and variant")
     lt.add_argument("--max-requests", type=int, default=500, help="requests per run at most")

@@ -44,7 +44,7 @@ SHAPES = ("steady", "poisson", "step")
 class LoadTestConfig:
     scenarios: list[str] = field(default_factory=lambda: list(USERS))
     users: list[int] = field(default_factory=lambda: [1, 4, 16])
-    variants: list[str] = field(default_factory=lambda: ["ar", "b2", "b4", "b8", "adaptive"])
+    variants: list[str] = field(default_factory=lambda: ["ar", "b2", "b3", "b4", "b8", "adaptive"])
     run_time: float = 30.0  # seconds of load per run (scenario x users x variant x repeat)
     repeats: int = 1  # runs per cell, interleaved with the other variants; the report keeps the median
     max_requests: int = 500  # per cell
