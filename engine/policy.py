@@ -229,21 +229,27 @@ class CostModel:
         return cls(batch_sizes, block_sizes, seconds, describe(target, drafter), contexts, draft_seconds)
 
 
-def _fastest(steps, device, repeats) -> list[float]:
-    """Fastest seconds of each of `steps` over `repeats` rounds through all of them, after a warm-up
-    call of each (the first call of a shape allocates)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for step in steps:
-        step()
-    fastest = [float("inf")] * len(steps)
+def interleaved_times(calls: dict, repeats: int, device=None) -> dict:
+    """{name: seconds of each of `repeats` calls}, going round all of `calls` in turn after a warm-up call
+    of each (the first call of a shape allocates): a slow spell of a shared machine then spoils one
+    round of many calls, not every call of a few. On a CUDA `device` each call is timed to its end."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    for call in calls.values():
+        call()
+    times = {name: [] for name in calls}
     for _ in range(max(1, repeats)):
-        for i, step in enumerate(steps):
+        for name, call in calls.items():
             sync()
             start = time.perf_counter()
-            step()
+            call()
             sync()
-            fastest[i] = min(fastest[i], time.perf_counter() - start)
-    return fastest
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def _fastest(steps, device, repeats) -> list[float]:
+    """Fastest seconds of each of `steps` over `repeats` interleaved rounds (`interleaved_times`)."""
+    return [min(t) for t in interleaved_times(dict(enumerate(steps)), repeats, device).values()]
 
 
 def describe(target, drafter) -> dict:

@@ -12,7 +12,6 @@ Medians of --repeats timings, the cases taking turns so a slow spell of the host
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.cli import comma_list  # noqa: E402
 from engine.loading import load  # noqa: E402
+from engine.policy import interleaved_times  # noqa: E402
 
 WIDTH = 4
 
@@ -63,14 +63,7 @@ def main():
             for context in args.contexts:
                 cases = {**{f"dense {b}": [b] * batch for b in range(1, WIDTH + 1)}, **layouts(batch)}
                 calls = {name: verify(sizes, context) for name, sizes in cases.items()}
-                times = {name: [] for name in calls}
-                for call in calls.values():
-                    call()
-                for _ in range(args.repeats):
-                    for name, call in calls.items():
-                        start = time.perf_counter()
-                        call()
-                        times[name].append(time.perf_counter() - start)
+                times = interleaved_times(calls, args.repeats)
                 ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
                 dense = [ms[f"dense {b}"] for b in range(1, WIDTH + 1)]
                 for name, sizes in layouts(batch).items():

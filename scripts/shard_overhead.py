@@ -13,7 +13,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray reads it at import: loopback only
@@ -25,6 +24,7 @@ import torch  # noqa: E402
 
 from deployments.shards import ShardedTarget  # noqa: E402
 from engine.loading import load  # noqa: E402
+from engine.policy import interleaved_times  # noqa: E402
 
 
 def step_fn(target, cache, batch, block, context, feature_layers):
@@ -67,14 +67,7 @@ def main():
     print(f"{'batch x block':>13} {'N=1 ms':>8} {f'N={args.num_shards} ms':>8} {'ratio':>6} {'extra ms':>8}")
     for batch, block in shapes:
         steps = {n: step_fn(t, caches[n], batch, block, args.context, feature_layers) for n, t in targets.items()}
-        times = {n: [] for n in steps}
-        for n, step in steps.items():  # warm-up: the first call of a shape allocates
-            step()
-        for _ in range(args.repeats):
-            for n, step in steps.items():
-                start = time.perf_counter()
-                step()
-                times[n].append(time.perf_counter() - start)
+        times = interleaved_times(steps, args.repeats)
         one, many = (statistics.median(times[n]) * 1000 for n in (1, args.num_shards))
         results.append({"batch": batch, "block": block, "ms_unsharded": one, "ms_sharded": many, "ratio": many / one})
         print(f"{f'{batch} x {block}':>13} {one:8.1f} {many:8.1f} {many / one:6.2f} {many - one:8.1f}")
