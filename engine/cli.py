@@ -48,7 +48,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int):
 TRAIN_HELP = {
     "data": "datagen folder to train on (several: comma-separated)",
     "out": "run folder: checkpoint.pt, log.jsonl, curves.png and the drafter (z-lab format) in drafter/",
-    "held_out": "datagen folder (held-out split) for tau evaluations",
+    "held_out": "datagen folder (held-out split) for tau evaluations, or default: the committed held-out prompts (made on first use)",
     "target": "target checkpoint folder (default: the one the data was made with)",
     "num_layers": "draft layers",
     "mask_token_id": "mask token id (default: 16 for SmolLM2)",
@@ -174,6 +174,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             tr.add_argument(flag(name), type=type(default), default=default, help=f"{text or ''} (default {default})".strip())
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--workers", type=int, default=1, help="data-parallel workers (> 1: Ray Train on a loopback cluster)")
+
+    ev = subs.add_parser("eval-drafter", help="a drafter's held-out greedy tau on chat and on code prompts")
+    ev.add_argument("--draft", default="default", help="drafter folder, or default")
+    ev.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--dtype", default="auto", choices=DTYPES)
+    ev.add_argument("--held-out", default="default",
+                    help="datagen folder of the held-out split (default: the committed held-out prompts, made on first use)")
+    ev.add_argument("--json", default=None, metavar="PATH")
 
     from deployments import dashboards  # imports neither ray nor Grafana's libraries until it runs
 
@@ -446,6 +454,24 @@ def cmd_train(args):
     print(f"held-out tau {result.get('tau', float('nan')):.3f} after {result['step']} steps; drafter in {out / 'drafter'}")
 
 
+def cmd_eval_drafter(args):
+    import json
+
+    from engine.train import evaluate_drafter
+
+    if args.draft in ("random", "none"):
+        raise ValueError("--draft must be a drafter folder or default")
+    result = evaluate_drafter(args.draft, args.target, args.dtype, args.held_out)
+    for kind in ("chat", "code"):
+        if kind in result:
+            r = result[kind]
+            lo, hi = r["tau_ci"]
+            print(f"{kind}: held-out tau {r['tau']:.3f} (95% over replies {lo:.3f}-{hi:.3f}), {r['replies']} replies, "
+                  f"position-1 acceptance {r['acceptance_per_pos'][0]:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def cmd_dashboards(args):
     from deployments import dashboards
 
@@ -471,7 +497,7 @@ def cmd_soak(args):
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
     "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards, "loadtest": cmd_loadtest,
-    "soak": cmd_soak,
+    "soak": cmd_soak, "eval-drafter": cmd_eval_drafter,
 }
 
 

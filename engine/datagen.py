@@ -12,7 +12,9 @@ sequences. A run that is interrupted resumes after its last complete shard.
 import ast
 import functools
 import json
+import lzma
 import sysconfig
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from tqdm import tqdm
 from engine.engine import Engine, SamplingParams
 
 HELD_OUT_PERCENT = 2
+NUM_HELD_OUT = 128  # held-out prompts every drafter is scored on (data/prompts/held-out.jsonl)
 CODE_PROMPT = "Write a Python function"  # how every prompt of the code sources begins
 SOURCES = ("sharegpt", "code")  # the default mix; "code-methods" is a further source of code prompts
 
@@ -35,7 +38,8 @@ class PromptItem:
 
     @property
     def held_out(self) -> bool:
-        return zlib.crc32(self.id.encode()) % 100 < HELD_OUT_PERCENT
+        # split by conversation: a later turn ("sharegpt/ID#2") goes where its conversation's first turn goes
+        return zlib.crc32(self.id.split("#")[0].encode()) % 100 < HELD_OUT_PERCENT
 
 
 def sharegpt_conversations() -> list[dict]:
@@ -54,6 +58,18 @@ def sharegpt_prompts() -> list[PromptItem]:
         turns = c.get("conversations") or []
         if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
             items.append(PromptItem(f"sharegpt/{c['id']}", "sharegpt", turns[0]["value"].strip()))
+    return items
+
+
+def sharegpt_later_turns(min_chars=40) -> list[PromptItem]:
+    """ShareGPT's later human turns as prompts of their own (at least `min_chars` long: "continue"
+    and the like mean nothing alone); more varied chat than first turns only."""
+    items = []
+    for c in sharegpt_conversations():
+        turns = [t.get("value", "").strip() for t in c.get("conversations") or [] if t.get("from") == "human"]
+        for k, text in enumerate(turns[1:], start=2):
+            if len(text) >= min_chars:
+                items.append(PromptItem(f"sharegpt/{c['id']}#{k}", "sharegpt-turns", text))
     return items
 
 
@@ -146,7 +162,8 @@ def _method_prompts() -> tuple[PromptItem, ...]:
 
 def load_prompts(sources=SOURCES, split="train") -> list[PromptItem]:
     """Prompts of the given sources and split (`train` or `held-out`), interleaved by source."""
-    loaders = {"sharegpt": sharegpt_prompts, "code": code_prompts, "code-methods": method_prompts}
+    loaders = {"sharegpt": sharegpt_prompts, "sharegpt-turns": sharegpt_later_turns, "code": code_prompts,
+               "code-methods": method_prompts}
     per_source = []
     for s in sources:
         if s not in loaders:
@@ -242,9 +259,10 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
     prompts = []
-    for item in load_prompts(sources, split):
-        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": item.text}], add_generation_prompt=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
+    # the committed held-out list holds the split's first prompts of the default sources (no ShareGPT package needed)
+    committed = split == "held-out" and tuple(sources) == SOURCES and max_prompt_tokens == 256
+    for item in read_prompt_list(HELD_OUT_PROMPTS) if committed else load_prompts(sources, split):
+        ids = chat_ids(loaded.tokenizer, item.text)
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
         if len(prompts) == skip_prompts + num_prompts:
@@ -267,6 +285,154 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
             bar.update(len(shards[index]))
             bar.set_postfix(tokens=int(shard["offsets"][-1]))
     return out
+
+
+def held_out_data(loaded, quiet=False) -> Path:
+    """The held-out data of `loaded`'s target in its dtype (the committed held-out prompts, greedy replies,
+    features), made on first use under the cache directory (~2 minutes on 2 CPU cores) and reused."""
+    from engine.default_model import cache_dir
+
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    out = cache_dir() / "held-out" / f"{Path(loaded.target_path).name}-{dtype}"
+    if (out / "complete").exists():
+        return out
+    generate_data(loaded, out, num_prompts=NUM_HELD_OUT, split="held-out", quiet=quiet)
+    (out / "complete").write_text("")
+    return out
+
+
+# ---- prompt lists and batched generation (what training with online features needs) ---------------
+
+PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
+TRAIN_PROMPTS = PROMPTS_DIR / "train.jsonl.xz"  # every training source, tokenised length <= 512
+HELD_OUT_PROMPTS = PROMPTS_DIR / "held-out.jsonl"  # the 128 held-out prompts every drafter is scored on
+TRAIN_SOURCES = ("sharegpt", "code", "code-methods", "sharegpt-turns")
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    """A user message in the target's chat template, ready for the assistant's reply."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return ids if isinstance(ids, list) else ids["input_ids"]
+
+
+def chat_ids_many(tokenizer, texts: list[str]) -> list[list[int]]:
+    """chat_ids of many messages, tokenised in one batch: the template is rendered once around a
+    placeholder (checked against chat_ids on the first message; one by one if it differs)."""
+    if not texts:
+        return []
+    marker = "\u2063PROMPT\u2063"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False)
+    if rendered.count(marker) != 1:
+        return [chat_ids(tokenizer, t) for t in texts]
+    before, after = rendered.split(marker)
+    ids = tokenizer([before + t + after for t in texts], add_special_tokens=False)["input_ids"]
+    if ids[0] != chat_ids(tokenizer, texts[0]):
+        return [chat_ids(tokenizer, t) for t in texts]
+    return ids
+
+
+def select_prompts(tokenizer, sources, split, max_prompt_tokens, limit=None) -> list[PromptItem]:
+    """The split's prompts (interleaved by source) whose chat-template tokens fit `max_prompt_tokens`."""
+    out = []
+    for item in load_prompts(sources, split):
+        if len(chat_ids(tokenizer, item.text)) <= max_prompt_tokens:
+            out.append(item)
+        if limit is not None and len(out) == limit:
+            break
+    return out
+
+
+def write_prompt_list(path, items: list[PromptItem]):
+    """JSONL of {"id", "source", "text"}; xz-compressed when the name ends in .xz."""
+    text = "".join(json.dumps({"id": p.id, "source": p.source, "text": p.text}) + "\n" for p in items)
+    data = text.encode()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(lzma.compress(data, preset=9 | lzma.PRESET_EXTREME) if str(path).endswith(".xz") else data)
+
+
+def read_prompt_list(path) -> list[PromptItem]:
+    data = Path(path).read_bytes()
+    text = (lzma.decompress(data) if str(path).endswith(".xz") else data).decode()
+    return [PromptItem(**json.loads(line)) for line in text.splitlines() if line.strip()]
+
+
+@torch.inference_mode()
+def generate_responses(target, prompts: list[list[int]], *, max_new_tokens=256, batch_size=256,
+                       temperature=0.0, top_p=1.0, stop_token_ids=(), seed=0, prefill_tokens=65536,
+                       deadline=None, quiet=True) -> list[list[int]]:
+    """The target's replies to many prompts (token ids only), `batch_size` rows decoding in lockstep.
+
+    Built for throughput on a GPU: one KV slot per row, every row steps every time (a finished row's
+    extra tokens are cut afterwards), no per-request bookkeeping. Greedy, or sampled at `temperature`
+    with `top_p`. Batches run in prompt order; past `deadline` (time.monotonic()) no further batch starts
+    (the first always runs), so the result may cover only the first prompts: replies[i] answers prompts[i]. A reply ends
+    with its stop token, or after max_new_tokens."""
+    device = target.device
+    stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
+    generator = torch.Generator(device).manual_seed(seed)
+    longest = max(len(p) for p in prompts)
+    cache = target.new_cache(min(batch_size, len(prompts)), longest + max_new_tokens)
+    replies = []
+    bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=quiet)
+    for lo in range(0, len(prompts), batch_size):
+        if lo > 0 and deadline is not None and time.monotonic() > deadline:
+            break
+        batch = prompts[lo: lo + batch_size]
+        tokens = _prefill_last_logits(target, cache, batch, prefill_tokens)  # [rows, vocab]
+        out = []
+        lengths = torch.tensor([len(p) for p in batch], device=device)
+        slots = list(range(len(batch)))
+        for step in range(max_new_tokens):
+            next_ids = _pick(tokens, temperature, top_p, generator)  # [rows]
+            out.append(next_ids)
+            if step == max_new_tokens - 1:
+                break
+            positions = (lengths + step)[:, None]
+            tokens, _ = target(next_ids[:, None], positions, cache, slots, max(map(len, batch)) + step + 1,
+                               logits_index=torch.zeros_like(positions))
+            tokens = tokens[:, 0]
+        replies += _cut_at_stops(torch.stack(out, 1), stops)
+        bar.update(len(batch))
+    bar.close()
+    return replies
+
+
+def _prefill_last_logits(target, cache, batch, budget):
+    """Prefill rows 0.. of `cache` with the prompts, in groups of at most `budget` padded positions;
+    returns the logits of each prompt's last position [rows, vocab]."""
+    device, out, lo = target.device, [], 0
+    while lo < len(batch):
+        hi, width = lo + 1, len(batch[lo])
+        while hi < len(batch) and (hi + 1 - lo) * max(width, len(batch[hi])) <= budget:
+            width, hi = max(width, len(batch[hi])), hi + 1
+        rows = batch[lo:hi]
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, p in enumerate(rows):
+            ids[i, : len(p)] = torch.tensor(p)
+            positions[i, : len(p)] = torch.arange(len(p))
+        last = torch.tensor([len(p) - 1 for p in rows])[:, None]
+        logits, _ = target(ids.to(device), positions.to(device), cache, list(range(lo, hi)), width,
+                           logits_index=last.to(device))
+        out.append(logits[:, 0])
+        lo = hi
+    return torch.cat(out)
+
+
+def _pick(logits, temperature, top_p, generator):
+    if temperature <= 0:
+        return logits.argmax(-1)
+    from engine.sampling import sampling_probs
+
+    probs = sampling_probs(logits, temperature, 0, top_p)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _cut_at_stops(out, stops) -> list[list[int]]:
+    """out [rows, n] -> each row up to and including its first stop token."""
+    is_stop = torch.isin(out, stops)
+    first = torch.where(is_stop.any(1), is_stop.float().argmax(1) + 1, out.shape[1]).tolist()
+    return [row[:n] for row, n in zip(out.tolist(), first)]
 
 
 def write_prompt_file(path, sources=SOURCES, split="held-out", max_chars=600):

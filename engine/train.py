@@ -9,6 +9,7 @@ and optionally restricted to the most frequent tokens (a cheaper head during tra
 Embedding and LM head are the target's, frozen.
 """
 
+import copy
 import dataclasses
 import json
 import math
@@ -39,8 +40,11 @@ class Sequence:
     tokens: torch.Tensor  # [n] long
     prompt_len: int
     features: torch.Tensor  # [n, n_layers * hidden] bf16 (row n-1 is unused)
-    topk_ids: torch.Tensor  # [n, k] int32: row i = the target's top-k guesses for token i
-    topk_logp: torch.Tensor  # [n, k] half
+    topk_ids: torch.Tensor | None = None  # [n, k] int32: row i = the target's top-k guesses for token i
+    topk_logp: torch.Tensor | None = None  # [n, k] half
+    # [n] long: row i = the target's greedy choice for token i. Given for a sampled reply: a block's
+    # labels are then the greedy chain from its anchor, as far as the reply follows that chain.
+    greedy: torch.Tensor | None = None
 
 
 class DrafterData:
@@ -127,13 +131,14 @@ class Batch:
     block_ids: torch.Tensor  # [N, B] long: anchor token then MASK
     block_pos: torch.Tensor  # [N, B]
     labels: torch.Tensor  # [N, B-1] long, -100 = no label (past the sequence end)
-    soft_ids: torch.Tensor  # [N, B-1, k] target's top-k guesses
-    soft_logp: torch.Tensor  # [N, B-1, k]
+    soft_ids: torch.Tensor | None  # [N, B-1, k] target's top-k guesses (None: the data has none)
+    soft_logp: torch.Tensor | None  # [N, B-1, k]
     spans: list[tuple[int, int, int, int]]  # per sequence: c_lo, c_hi, b_lo, b_hi (in blocks)
 
     def to(self, device) -> "Batch":
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True)
-                                            for f in dataclasses.fields(self) if f.name != "spans"})
+        moved = {f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
 
 
 def make_batch(sequences: list[Sequence], anchors: list[torch.Tensor], block_size: int, mask_id: int) -> Batch:
@@ -153,13 +158,19 @@ def make_batch(sequences: list[Sequence], anchors: list[torch.Tensor], block_siz
         target = p[:, 1:]
         valid = target < n
         idx = target.clamp_max(n - 1)
-        labels.append(torch.where(valid, s.tokens[idx], -100))
-        s_ids.append(s.topk_ids[idx].long())
-        s_logp.append(torch.where(valid[..., None], s.topk_logp[idx].float(), -torch.inf))
+        if s.greedy is None:
+            labels.append(torch.where(valid, s.tokens[idx], -100))
+        else:  # position k's label holds while the reply's tokens before it follow the greedy chain
+            on_chain = (s.tokens[idx] == s.greedy[idx]).long()
+            chained = torch.cat([torch.ones_like(on_chain[:, :1]), on_chain[:, :-1].cumprod(1)], 1).bool()
+            labels.append(torch.where(valid & chained, s.greedy[idx], -100))
+        if s.topk_ids is not None:
+            s_ids.append(s.topk_ids[idx].long())
+            s_logp.append(torch.where(valid[..., None], s.topk_logp[idx].float(), -torch.inf))
         spans.append((c0, c0 + c, b0, b0 + len(a)))
         c0, b0 = c0 + c, b0 + len(a)
-    return Batch(torch.cat(ctx_f), torch.cat(ctx_p), torch.cat(ids), torch.cat(pos), torch.cat(labels),
-                 torch.cat(s_ids), torch.cat(s_logp), spans)
+    soft = (torch.cat(s_ids), torch.cat(s_logp)) if len(s_ids) == len(sequences) else (None, None)
+    return Batch(torch.cat(ctx_f), torch.cat(ctx_p), torch.cat(ids), torch.cat(pos), torch.cat(labels), *soft, spans)
 
 
 def sample_anchors(s: Sequence, num: int, generator: torch.Generator) -> torch.Tensor:
@@ -444,6 +455,8 @@ def setup(cfg: TrainConfig):
     from engine.model import load_target
 
     data = DrafterData(cfg.data, cfg.feature_layers)
+    if cfg.held_out == "default":
+        cfg.held_out = str(default_held_out(cfg.target or data.meta.get("target"), cfg.bf16, cfg.device))
     held_out = DrafterData(cfg.held_out, data.feature_layers) if cfg.held_out else None
     unrecorded = "an unrecorded dtype"
     if held_out and (held_dtype := held_out.meta.get("dtype", unrecorded)) != (data_dtype := data.meta.get("dtype", unrecorded)):
@@ -591,6 +604,39 @@ def train(cfg: TrainConfig, rank=0, world_size=1, wrap=None, report=None, quiet=
     if on_end:
         on_end(drafter)
     return dict(last, **final)
+
+
+def default_held_out(target, bf16: bool, device="cpu") -> Path:
+    """The committed held-out prompts' data for `target` in the dtype the drafter is trained (and served) in."""
+    from engine.datagen import held_out_data
+    from engine.loading import load
+
+    return held_out_data(load(target, draft="none", dtype="bfloat16" if bf16 else "float32", device=device))
+
+
+def evaluate_drafter(draft, target=None, dtype="auto", held_out="default", device="cpu") -> dict:
+    """Held-out greedy tau (block = the drafter's) of a drafter folder, per kind of prompt (chat, code),
+    computed as training evaluates: {"chat": {...}, "code": {...}} with tau, tau_ci, acceptance_per_pos."""
+    from engine.datagen import CODE_PROMPT
+    from engine.loading import load
+
+    loaded = load(target, draft, dtype, device)
+    bf16 = loaded.dtype == torch.bfloat16
+    path = held_out if held_out != "default" else default_held_out(target, bf16, device)
+    data = DrafterData(path, loaded.drafter.config.target_layer_ids)
+    drafter = load_drafter(draft if draft != "default" else loaded.drafter_name, device=device)  # float32 under autocast, as training
+    cfg = TrainConfig(data=str(path), out="-", block_size=drafter.config.block_size, bf16=bf16, device=device)
+    embed = loaded.target.embed_tokens.weight.detach()
+    head = loaded.target.lm_head.weight.detach()
+    result = {"held_out": str(path), "dtype": str(loaded.dtype).removeprefix("torch.")}
+    for kind in ("chat", "code"):
+        part = copy.copy(data)
+        part.sequences = [s for s in data.sequences
+                          if (CODE_PROMPT in loaded.tokenizer.decode(s.tokens[: s.prompt_len])) == (kind == "code")]
+        if part.sequences:
+            r = evaluate(drafter, embed, head, part, cfg, None, max_blocks=10**9)
+            result[kind] = {"replies": len(part.sequences), **r}
+    return result
 
 
 def read_log(path):

@@ -1,0 +1,319 @@
+"""Drafter training with the target's features computed online: what a GPU makes cheap.
+
+From a prompt list, the target writes its replies in large batches; each training step then runs the
+target over a batch of (prompt + reply) sequences for their features and greedy choices, and trains
+the drafter on random anchor blocks of them (the recipe of engine/train.py). Nothing is stored
+between the two but token ids, so the run is bounded by time, not by disk. Everything is timed
+against one wall-clock budget.
+"""
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from engine.datagen import HELD_OUT_PROMPTS, TRAIN_PROMPTS, chat_ids_many, generate_responses, read_prompt_list
+from engine.drafter import Drafter, DrafterConfig, default_target_layer_ids, save_drafter
+from engine.train import Sequence, evaluate, make_batch, position_weights, sample_anchors, train_forward
+
+CODE_SOURCES = ("code", "code-methods")
+
+
+@dataclass
+class OnlineConfig:
+    out: str
+    target: str | None = None  # None: the default model
+    prompts: str = str(TRAIN_PROMPTS)
+    held_out_prompts: str = str(HELD_OUT_PROMPTS)
+    init: str = "random"  # random | a drafter folder (go on training it)
+    num_layers: int = 2
+    intermediate_size: int = 1024  # 0: the target's
+    block_size: int = 16
+    mask_token_id: int | None = None  # None: the default model's (16)
+    num_feature_layers: int = 5
+    budget_s: float = 390.0  # wall clock for the whole run: replies, training, evaluations, saving
+    generate_share: float = 0.3  # of the budget spent writing replies (greedy first, then sampled)
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    generate_batch: int = 2048
+    sample_temperature: float = 0.6  # replies after each prompt's greedy one
+    seqs_per_step: int = 64
+    anchors: int = 128
+    feature_tokens: int = 32768  # padded positions per target pass that computes features
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    loss_rows: int = 16384  # block positions per chunk of the loss (bounds the logits' memory)
+    prompt_limit: int | None = None  # use the first N prompts of the (shuffled) list only
+    held_out_limit: int | None = None  # score on the first N held-out prompts only (None: all)
+    eval_every_s: float = 60.0
+    reserve_s: float = 20.0  # kept from training for the final evaluation and saving
+    device: str = "cuda"
+    bf16: bool = True
+    seed: int = 0
+
+
+@dataclass
+class Reply:
+    tokens: list[int]  # prompt + reply
+    prompt_len: int
+    source: str
+
+
+class TimeBudget:
+    def __init__(self, seconds):
+        self.start, self.seconds = time.monotonic(), seconds
+
+    @property
+    def elapsed(self):
+        return time.monotonic() - self.start
+
+    def at(self, share):
+        """time.monotonic() when `share` of the budget has passed."""
+        return self.start + share * self.seconds
+
+
+def write_replies(target, tokenizer, items, cfg: OnlineConfig, stops, deadline=None) -> list[Reply]:
+    """Greedy replies to the prompts, then sampled ones in further rounds until `deadline`
+    (time.monotonic()); with no deadline, the greedy round alone."""
+    prompts = chat_ids_many(tokenizer, [p.text for p in items])
+    keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
+    replies, round_ = [], 0
+    while round_ == 0 or (deadline is not None and time.monotonic() < deadline and round_ < 8):
+        temperature = 0.0 if round_ == 0 else cfg.sample_temperature
+        out = generate_responses(target, [prompts[i] for i in keep], max_new_tokens=cfg.max_new_tokens,
+                                 batch_size=cfg.generate_batch, temperature=temperature, stop_token_ids=stops,
+                                 seed=cfg.seed + round_, deadline=deadline, quiet=False)
+        replies += [Reply(prompts[i] + r, len(prompts[i]), items[i].source) for i, r in zip(keep, out) if len(r) >= 2]
+        round_ += 1
+    return replies
+
+
+@torch.no_grad()
+def target_pass(target, replies: list[Reply], feature_layers, cache, budget_tokens) -> list[Sequence]:
+    """Sequences with the target's features and greedy choices, from prefills of at most
+    `budget_tokens` padded positions (the target's KV cache is scratch here)."""
+    out, lo = [], 0
+    device = target.device
+    while lo < len(replies):
+        hi, width = lo + 1, len(replies[lo].tokens)
+        while hi < len(replies) and hi - lo < cache.num_slots and (hi + 1 - lo) * max(width, len(replies[hi].tokens)) <= budget_tokens:
+            width, hi = max(width, len(replies[hi].tokens)), hi + 1
+        rows = replies[lo:hi]
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.full((len(rows), width), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
+            positions[i, : len(r.tokens)] = torch.arange(len(r.tokens))
+        logits, features = target(ids.to(device), positions.to(device), cache, list(range(len(rows))), width, feature_layers)
+        greedy = torch.cat([ids[:, :1], logits.argmax(-1)[:, :-1].cpu()], 1)  # row i: the choice for token i
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            out.append(Sequence(ids[i, :n], r.prompt_len, features[i, :n], greedy=greedy[i, :n]))
+        lo = hi
+    return out
+
+
+def chunked_loss(hidden, head, labels, weights, rows_per_chunk):
+    """Decayed cross-entropy over labelled block positions, the logits made a chunk at a time and
+    made again in the backward pass (never all at once: 123K positions x 49K vocab is 24 GB in float32).
+    hidden [N, B-1, H]; head [V, H]; labels [N, B-1] (-100: none); weights [B-1].
+    Returns (loss, correct [B-1], counted [B-1])."""
+    w = weights[None].expand_as(labels)
+    has = labels >= 0
+    h, y, wt = hidden[has], labels[has], w[has]
+    pos = torch.arange(labels.shape[1], device=labels.device)[None].expand_as(labels)[has]
+
+    def part(h, y, wt):
+        logits = (h.to(head.dtype) @ head.T).float()
+        nll = logits.logsumexp(-1) - logits.gather(-1, y[:, None])[:, 0]
+        return (nll * wt).sum(), (logits.argmax(-1) == y)
+
+    total, correct = hidden.new_zeros((), dtype=torch.float32), []
+    for lo in range(0, len(y), rows_per_chunk):
+        sl = slice(lo, lo + rows_per_chunk)
+        loss, ok = checkpoint(part, h[sl], y[sl], wt[sl], use_reentrant=False)
+        total, correct = total + loss, correct + [ok]
+    ok = torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool, device=labels.device)
+    counted = torch.bincount(pos, minlength=labels.shape[1])
+    hits = torch.bincount(pos[ok], minlength=labels.shape[1])
+    return total / wt.sum().clamp_min(1.0), hits, counted
+
+
+class Held:
+    """Held-out sequences in the shape `engine.train.evaluate` reads."""
+
+    def __init__(self, sequences):
+        self.sequences = sequences
+
+
+def make_drafter(cfg: OnlineConfig, target_config) -> Drafter:
+    from engine.default_model import MASK_TOKEN_ID
+    from engine.drafter import load_drafter
+
+    if cfg.init != "random":
+        drafter = load_drafter(cfg.init)
+        if drafter.config.block_size != cfg.block_size:
+            raise ValueError(f"--init {cfg.init}: block size {drafter.config.block_size}, this run's is {cfg.block_size}")
+        return drafter.float()
+    layers = default_target_layer_ids(target_config.num_layers, cfg.num_feature_layers)
+    mask = MASK_TOKEN_ID if cfg.mask_token_id is None else cfg.mask_token_id
+    dc = DrafterConfig.for_target(target_config, cfg.num_layers, mask, cfg.block_size, target_layer_ids=layers)
+    if cfg.intermediate_size:
+        dc.intermediate_size = cfg.intermediate_size
+    torch.manual_seed(cfg.seed)
+    return Drafter(dc)
+
+
+def lr_scale(cfg: OnlineConfig, progress: float) -> float:
+    """Linear warm-up then cosine decay to 10% of the peak, over progress in [0, 1]."""
+    if progress < cfg.warmup:
+        return max(progress / cfg.warmup, 0.01)
+    t = min(1.0, (progress - cfg.warmup) / (1 - cfg.warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def train_online(cfg: OnlineConfig, quiet=False) -> dict:
+    """The whole run within cfg.budget_s; writes OUT/drafter (z-lab format, bf16), OUT/log.jsonl,
+    OUT/curves.png and OUT/summary.json; returns the summary."""
+    from engine.default_model import resolve_model_path
+    from engine.loading import load_tokenizer, stop_token_ids
+    from engine.model import load_target
+
+    budget = TimeBudget(cfg.budget_s)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "log.jsonl"
+    log_path.write_text("")
+    device = torch.device(cfg.device)
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+
+    def log(entry):
+        with log_path.open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    target_path = resolve_model_path(cfg.target)
+    target = load_target(target_path, dtype, device)
+    tokenizer = load_tokenizer(target_path)
+    stops = stop_token_ids(target_path)
+    drafter = make_drafter(cfg, target.config).to(device)
+    layers = drafter.config.target_layer_ids
+
+    # held-out replies first (greedy, as decoding will be scored), then the training replies
+    held_items = read_prompt_list(cfg.held_out_prompts)[: cfg.held_out_limit]
+    held_replies = write_replies(target, tokenizer, held_items, cfg, stops)
+    items = read_prompt_list(cfg.prompts)
+    random.Random(cfg.seed).shuffle(items)
+    items = items[: cfg.prompt_limit]
+    t0 = budget.elapsed
+    replies = write_replies(target, tokenizer, items, cfg, stops, deadline=budget.at(cfg.generate_share))
+    gen_seconds = budget.elapsed - t0
+    num_reply_tokens = sum(len(r.tokens) - r.prompt_len for r in replies)
+    log({"phase": "replies", "replies": len(replies), "prompts": len(items), "reply_tokens": num_reply_tokens,
+         "seconds": gen_seconds, "held_out_replies": len(held_replies)})
+    if not quiet:
+        print(f"replies: {len(replies)} ({num_reply_tokens} tokens) in {gen_seconds:.0f} s", flush=True)
+    if not replies:
+        raise RuntimeError(f"no replies were written in {gen_seconds:.0f} s: give the run a larger budget or generate_share")
+    counts = torch.bincount(torch.tensor([t for r in replies for t in r.tokens[r.prompt_len:]], dtype=torch.long),
+                            minlength=target.config.vocab_size)
+    (out / "frequent_tokens.json").write_text(json.dumps(counts.argsort(descending=True)[:16384].tolist()) + "\n")
+
+    cache = target.new_cache(max(cfg.seqs_per_step, 32), cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
+    held = {}
+    for kind in ("chat", "code"):
+        seqs = target_pass(target, [r for r in held_replies if (r.source in CODE_SOURCES) == (kind == "code")],
+                           layers, cache, cfg.feature_tokens)
+        for s in seqs:  # scored against the reply's own tokens, as evaluation on stored data is
+            s.greedy = None
+        held[kind] = Held(seqs)
+    embed = target.embed_tokens.weight.detach()
+    head = target.lm_head.weight.detach()
+    weights = position_weights(cfg.block_size).to(device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    evals = []
+
+    def run_eval(step):
+        entry = {"eval": True, "step": step, "seconds": budget.elapsed}
+        for kind, data in held.items():
+            if data.sequences:
+                result = evaluate(drafter, embed, head, data, cfg, None)
+                entry[kind] = {"tau": result["tau"], "tau_ci": result["tau_ci"],
+                               "acceptance_per_pos": result["acceptance_per_pos"]}
+        evals.append(entry)
+        log(entry)
+        if not quiet:
+            print(f"step {step}: held-out tau " + ", ".join(f"{k} {entry[k]['tau']:.3f}" for k in held if k in entry), flush=True)
+
+    run_eval(0)
+    train_start, train_seconds = budget.elapsed, cfg.budget_s - budget.elapsed - cfg.reserve_s
+    next_eval, step, blocks = time.monotonic() + cfg.eval_every_s, 0, 0
+    bar = tqdm(desc="train", unit="step", disable=quiet)
+    while (progress := (budget.elapsed - train_start) / train_seconds if train_seconds > 0 else 1.0) < 1:
+        for g in optimizer.param_groups:
+            g["lr"] = cfg.lr * lr_scale(cfg, progress)
+        picks = [replies[i] for i in torch.randint(len(replies), (cfg.seqs_per_step,), generator=generator).tolist()]
+        seqs = target_pass(target, picks, layers, cache, cfg.feature_tokens)
+        anchors = [sample_anchors(s, cfg.anchors, generator) for s in seqs]
+        batch = make_batch(seqs, anchors, cfg.block_size, drafter.config.mask_token_id).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            hidden = train_forward(drafter, embed, batch, None)
+        loss, hits, counted = chunked_loss(hidden[:, 1:], head, batch.labels, weights, cfg.loss_rows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        optimizer.step()
+        step, blocks = step + 1, blocks + len(batch.block_ids)
+        if step % 10 == 0 or step == 1:
+            accuracy = (hits.float() / counted.clamp_min(1)).tolist()
+            log({"step": step, "seconds": budget.elapsed, "loss": loss.item(), "grad_norm": grad_norm.item(),
+                 "lr": optimizer.param_groups[0]["lr"], "blocks": blocks, "accuracy_per_pos": [round(a, 4) for a in accuracy]})
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
+        bar.update(1)
+        if time.monotonic() >= next_eval:
+            run_eval(step)
+            next_eval += cfg.eval_every_s
+    bar.close()
+    run_eval(step)
+    save_drafter(drafter.cpu(), out / "drafter")
+    summary = {"config": asdict(cfg), "target": str(target_path), "device": torch.cuda.get_device_name(device)
+               if device.type == "cuda" else "cpu", "replies": len(replies), "reply_tokens": num_reply_tokens,
+               "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start, "steps": step,
+               "blocks": blocks, "final": evals[-1], "seconds": budget.elapsed}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_online(log_path, out / "curves.png")
+    return summary
+
+
+def plot_online(log_path, png_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
+    steps = [e for e in entries if "loss" in e]
+    evals = [e for e in entries if e.get("eval")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot([e["seconds"] for e in steps], [e["loss"] for e in steps])
+    axes[0].set(xlabel="seconds into the run", ylabel="training loss", title="loss")
+    for kind in ("chat", "code"):
+        pts = [(e["seconds"], e[kind]["tau"]) for e in evals if kind in e]
+        if pts:
+            axes[1].plot(*zip(*pts), marker="o", label=f"held-out {kind}")
+    axes[1].set(xlabel="seconds into the run", ylabel="tau (greedy, block 16)", title="acceptance length")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

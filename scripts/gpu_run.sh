@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The prepared run for a lent GPU machine (engine/gpu_run.py): `bash scripts/gpu_run.sh [check,train,costs] [flags]`.
+# Uses the machine's python3 and only what travels with the tree: wheels in .whl/ (scripts/gpu_pack.sh puts
+# them there), the default model's GGUF in parts in .gpu/ (carried over consecutive calls). Writes to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-results/gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/dflash-site .whl/*.whl; then
+    export PYTHONPATH="/tmp/dflash-site"
+  else
+    echo "gpu_run.sh: the wheels in .whl/ do not install here; going on with this python's own packages" >&2
+  fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export DFLASH_SERVE_CACHE="${DFLASH_SERVE_CACHE:-$PWD/.gpu/cache}"
+GGUF=".gpu/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$GGUF" ] && compgen -G ".gpu/gguf.xz.part*" >/dev/null && [ -f .gpu/gguf.sha256 ]; then
+  cat .gpu/gguf.xz.part* | "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)' > "$GGUF.tmp"
+  if [ "$(sha256sum < "$GGUF.tmp" | cut -d' ' -f1)" = "$(cat .gpu/gguf.sha256)" ]; then
+    mv "$GGUF.tmp" "$GGUF"
+  else
+    echo "gpu_run.sh: the GGUF parts in .gpu/ do not add up (sha256 differs): carry every part" >&2
+    rm -f "$GGUF.tmp"
+    exit 3
+  fi
+fi
+[ -f "$GGUF" ] && export DFLASH_SERVE_GGUF="$PWD/$GGUF"
+"$PY" -m engine.gpu_run --out "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
+exit "${PIPESTATUS[0]}"

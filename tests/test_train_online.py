@@ -1,0 +1,144 @@
+"""Training with online features (engine/train_online.py) and the prepared GPU run (engine/gpu_run.py):
+batched generation equals the engine's greedy output, the target pass gives each sequence's own
+features, sampled replies are labelled with the greedy chain, the chunked loss equals the plain one,
+and the whole GPU run goes through on the CPU with a tiny random target."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.datagen import HELD_OUT_PROMPTS, NUM_HELD_OUT, TRAIN_PROMPTS, generate_responses, read_prompt_list
+from engine.engine import Engine, SamplingParams
+from engine.model import ModelConfig, TargetModel
+from engine.train import Sequence, loss_and_accuracy, make_batch, position_weights
+from engine.train_online import Reply, chunked_loss, target_pass
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                   head_dim=8, max_position_embeddings=512)
+
+
+def tiny_target(seed=0):
+    torch.manual_seed(seed)
+    target = TargetModel(TINY).eval()
+    for p in target.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.5)
+    return target
+
+
+def prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 40, (int(torch.randint(2, 15, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def test_batched_generation_equals_the_engines_greedy_output():
+    """Rows of different lengths stepping in lockstep (batches of 3 over 7 prompts, prefill groups of
+    at most 20 positions) give each prompt the engine's own greedy reply, cut after a stop token."""
+    target, ps = tiny_target(), prompts(7)
+    free = [r.output_ids for r in Engine(target, max_slots=7, max_len=64).generate_batch(ps, SamplingParams(max_tokens=12))]
+    stop = free[0][3]  # a token one reply reaches mid-way
+    engine = Engine(target, max_slots=7, max_len=64, stop_token_ids=(stop,))
+    reference = [r.output_ids for r in engine.generate_batch(ps, SamplingParams(max_tokens=12))]
+    ours = generate_responses(target, ps, max_new_tokens=12, batch_size=3, stop_token_ids=(stop,), prefill_tokens=20)
+    assert ours == reference
+    assert len(ours[0]) <= 4 and ours[0][-1] == stop
+
+
+def test_generation_stops_starting_batches_after_the_deadline():
+    target, ps = tiny_target(), prompts(6)
+    out = generate_responses(target, ps, max_new_tokens=4, batch_size=2, deadline=0.0)
+    assert len(out) == 2  # the first batch always runs
+
+
+def test_sampled_generation_is_seeded():
+    target, ps = tiny_target(), prompts(4)
+    runs = [generate_responses(target, ps, max_new_tokens=8, batch_size=4, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_target_pass_gives_each_sequence_its_own_features_and_greedy_choices():
+    """Padded groups (at most 24 positions, 3 slots) give what a pass over each sequence alone gives."""
+    target = tiny_target()
+    replies = [Reply(p + [7, 8, 9], len(p), "sharegpt") for p in prompts(5, seed=1)]
+    cache = target.new_cache(3, 64)
+    seqs = target_pass(target, replies, [1, 3], cache, budget_tokens=24)
+    assert [s.tokens.tolist() for s in seqs] == [r.tokens for r in replies]
+    for r, s in zip(replies, seqs):
+        n = len(r.tokens)
+        logits, features = target(torch.tensor([r.tokens]), torch.arange(n)[None], target.new_cache(1, 64), [0], n, [1, 3])
+        torch.testing.assert_close(s.features, features[0], atol=1e-4, rtol=1e-4)  # padding changes matmul blocking
+        assert s.greedy[1:].tolist() == logits[0, :-1].argmax(-1).tolist()
+
+
+def test_sampled_replies_are_labelled_with_the_greedy_chain():
+    """A block's labels are the target's greedy choices while the reply follows them; past the first
+    sampled token that is not the greedy one, the block has no labels (the chain from its anchor broke)."""
+    tokens = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    greedy = torch.tensor([1, 2, 3, 4, 9, 6, 7, 8])  # the reply left the greedy chain at position 4
+    s = Sequence(tokens, 2, torch.zeros(8, 4), greedy=greedy)
+    batch = make_batch([s], [torch.tensor([2, 4])], 4, mask_id=0)
+    assert batch.labels.tolist() == [[4, 9, -100], [6, 7, 8]]
+    assert batch.soft_ids is None
+    plain = make_batch([Sequence(tokens, 2, torch.zeros(8, 4))], [torch.tensor([2])], 4, mask_id=0)
+    assert plain.labels.tolist() == [[4, 5, 6]]
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradient():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 15, 16, generator=g, requires_grad=True)
+    head = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (6, 15), generator=g)
+    labels[0, 10:] = -100
+    weights = position_weights(16)
+    batch = make_batch([Sequence(torch.zeros(40, dtype=torch.long), 0, torch.zeros(40, 4))], [torch.arange(6)], 16, 0)
+    batch.labels = labels
+    full = torch.cat([torch.zeros(6, 1, 16), hidden], 1)
+    plain, accuracy = loss_and_accuracy(full, head, None, batch, weights, 0.0)
+    plain.backward()
+    expected = hidden.grad.clone()
+    hidden.grad = None
+    ours, hits, counted = chunked_loss(hidden, head, labels, weights, rows_per_chunk=7)
+    ours.backward()
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(hidden.grad, expected)
+    torch.testing.assert_close(hits.float() / counted, accuracy)
+
+
+def test_committed_prompt_lists():
+    """The held-out list is the held-out split's first 128 prompts (of at most 256 tokens): the data every
+    drafter is scored on; the training list never shares a conversation with it."""
+    held = read_prompt_list(HELD_OUT_PROMPTS)
+    assert len(held) == NUM_HELD_OUT and all(p.held_out for p in held)
+    assert {p.source for p in held} == {"sharegpt", "code"}
+    train = read_prompt_list(TRAIN_PROMPTS)
+    assert len(train) > 40_000 and not any(p.held_out for p in train)
+    assert {p.source for p in train} == {"sharegpt", "sharegpt-turns", "code", "code-methods"}
+    held_conversations = {p.id.split("#")[0] for p in held}
+    assert not held_conversations & {p.id.split("#")[0] for p in train}
+
+
+@pytest.mark.slow
+def test_gpu_run_goes_through_on_the_cpu(tmp_path):
+    """scripts/gpu_run.sh, every phase, on the CPU: a tiny random target with the default model's tokenizer
+    (the real prompt lists and chat template), a 25-second training budget, small cost shapes. Each phase
+    ends ok, the run trains and saves a drafter, evaluates held-out tau, and times every phase."""
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", "scripts/gpu_run.sh", "check,train,costs", "--device", "cpu", "--tiny",
+                        "--train-budget", "25"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    record = json.loads((tmp_path / "phases.json").read_text())
+    assert list(record["phases"]) == ["check", "train", "costs"]
+    assert all(p["ok"] and p["seconds"] > 0 for p in record["phases"].values())
+    assert record["phases"]["check"]["result"]["bench"]["returncode"] == 0
+    train = record["phases"]["train"]["result"]
+    assert train["replies"] > 0 and train["steps"] > 0 and 1 <= train["final"]["chat"]["tau"] <= 16
+    assert (tmp_path / "train" / "drafter" / "model.safetensors").exists()
+    assert (tmp_path / "train" / "curves.png").stat().st_size > 0
+    costs = record["phases"]["costs"]["result"]["rows"]
+    assert set(costs) == {"1", "8", "32"} and all(row["ceiling_vs_ar"] > 0 for row in costs.values())
