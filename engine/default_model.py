@@ -37,16 +37,35 @@ def default_model_path() -> Path:
     out = cache_dir() / "SmolLM2-135M-Instruct"
     if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src = gguf_path()
     tmp = out.with_name(out.name + ".tmp")
-    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    convert_gguf(src, tmp)
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def convert_gguf(src: Path, out: Path):
+    """A GGUF checkpoint -> a safetensors folder (dequantised float32, config, generation config, tokenizer).
+    The weights are saved directly: newer transformers refuse save_pretrained on a model loaded from GGUF."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights saved are plain float32: nothing to dequantise on load
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.generation_config.save_pretrained(out)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding; safetensors stores it once
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
 
 
 def resolve_model_path(path: str | None) -> Path:

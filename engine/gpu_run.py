@@ -53,10 +53,10 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.tiny and args.target is None:
-        args.target = str(tiny_target(out / "tiny-target"))
     print(json.dumps(machine(args.device)), flush=True)
     record = {"machine": machine(args.device), "phases": {}}
+    if (out / "phases.json").exists():  # an earlier call of the same run (its phases are kept unless run again)
+        record["phases"] = json.loads((out / "phases.json").read_text())["phases"]
     for name in args.phases:
         start = time.monotonic()
         print(f"== phase {name}", flush=True)
@@ -82,6 +82,13 @@ def machine(device):
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def target_of(args, out: Path) -> str | None:
+    """The phase's target: --target, the tiny random one with --tiny, else None (the default model)."""
+    if args.tiny and args.target is None:
+        args.target = str(tiny_target(out / "tiny-target"))
+    return args.target
 
 
 def tiny_target(path: Path) -> Path:
@@ -118,7 +125,7 @@ def phase_check(args, out: Path) -> dict:
     bench_cmd = [sys.executable, "-m", "engine.cli", "bench", "--device", args.device, "--dtype", "bfloat16",
                  "--methods", "hf,ar,dflash,dflash-adaptive", "--draft", draft, "--num-prompts", "2" if args.tiny else "6",
                  "--max-new-tokens", "8" if args.tiny else "128", "--json", str(out / "check-bench.json")]
-    if args.target:
+    if target_of(args, out):
         bench_cmd += ["--target", args.target]
     bench = run_logged(bench_cmd, out / "check-bench.txt", timeout=300)
     return {"tests": tests, "bench": bench, "draft": draft}
@@ -144,7 +151,7 @@ def run_logged(cmd, path: Path, timeout) -> dict:
 def phase_train(args, out: Path) -> dict:
     from engine.train_online import OnlineConfig, train_online
 
-    cfg = OnlineConfig(out=str(out / "train"), target=args.target, init=args.init, device=args.device,
+    cfg = OnlineConfig(out=str(out / "train"), target=target_of(args, out), init=args.init, device=args.device,
                        budget_s=args.train_budget)
     if args.tiny:
         cfg.generate_batch, cfg.seqs_per_step, cfg.anchors, cfg.held_out_limit, cfg.prompt_limit = 16, 4, 16, 8, 64

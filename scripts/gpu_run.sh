@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The prepared run for a lent GPU machine (engine/gpu_run.py): `bash scripts/gpu_run.sh [check,train,costs] [flags]`.
 # Uses the machine's python3 and only what travels with the tree: wheels in .whl/ (scripts/gpu_pack.sh puts
-# them there), the default model's GGUF in parts in .gpu/ (carried over consecutive calls). Writes to $OUT.
+# them there), the default model's GGUF in parts in .gpu/ (carried over consecutive calls). Results go to
+# $RUN_DIR (default $OUT); with RUN_DIR set, $OUT gets them bundled (a device call returns at most 8 files):
+# log.txt, run.tar.gz and the trained drafter's model.safetensors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu}"
@@ -28,5 +30,11 @@ if [ ! -f "$GGUF" ] && compgen -G ".gpu/gguf.xz.part*" >/dev/null && [ -f .gpu/g
   fi
 fi
 [ -f "$GGUF" ] && export DFLASH_SERVE_GGUF="$PWD/$GGUF"
-"$PY" -m engine.gpu_run --out "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
-exit "${PIPESTATUS[0]}"
+RUN_DIR="${RUN_DIR:-$OUT}"
+"$PY" -m engine.gpu_run --out "$RUN_DIR" "$@" 2>&1 | tee -a "$OUT/log.txt"
+status="${PIPESTATUS[0]}"
+if [ "$RUN_DIR" != "$OUT" ]; then
+  tar czf "$OUT/run.tar.gz" -C "$RUN_DIR" --exclude=model.safetensors --exclude=tiny-target .
+  [ -f "$RUN_DIR/train/drafter/model.safetensors" ] && cp "$RUN_DIR/train/drafter/model.safetensors" "$OUT/"
+fi
+exit "$status"
