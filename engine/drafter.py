@@ -302,7 +302,7 @@ def save_drafter(drafter: Drafter, path, dtype=torch.bfloat16, draft_vocab=None)
     path.mkdir(parents=True, exist_ok=True)
     config = dict(drafter.config.to_hf(), dtype=str(dtype).removeprefix("torch."))
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     if draft_vocab is not None:
         (path / DRAFT_VOCAB_FILE).write_text(json.dumps(sorted(int(i) for i in draft_vocab)) + "\n")

@@ -253,6 +253,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
                                "acceptance_per_pos": result["acceptance_per_pos"]}
         evals.append(entry)
         log(entry)
+        save_drafter(drafter, out / "drafter")  # the latest drafter is on disk whatever happens next
         if not quiet:
             print(f"step {step}: held-out tau " + ", ".join(f"{k} {entry[k]['tau']:.3f}" for k in held if k in entry), flush=True)
 
@@ -267,11 +268,20 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
         seqs = target_pass(target, picks, layers, cache, cfg.feature_tokens)
         anchors = [sample_anchors(s, cfg.anchors, generator) for s in seqs]
         batch = make_batch(seqs, anchors, cfg.block_size, drafter.config.mask_token_id).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            hidden = train_forward(drafter, embed, batch, None)
-        loss, hits, counted = chunked_loss(hidden[:, 1:], head, batch.labels, weights, cfg.loss_rows)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                hidden = train_forward(drafter, embed, batch, None)
+            loss, hits, counted = chunked_loss(hidden[:, 1:], head, batch.labels, weights, cfg.loss_rows)
+            loss.backward()
+        except torch.OutOfMemoryError:  # a batch too large for this device: go on with half as many sequences
+            del seqs, batch
+            hidden = loss = None
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            cfg.seqs_per_step = max(1, cfg.seqs_per_step // 2)
+            log({"step": step, "out_of_memory": True, "seqs_per_step": cfg.seqs_per_step})
+            continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         optimizer.step()
         step, blocks = step + 1, blocks + len(batch.block_ids)
@@ -286,7 +296,6 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
             next_eval += cfg.eval_every_s
     bar.close()
     run_eval(step)
-    save_drafter(drafter.cpu(), out / "drafter")
     summary = {"config": asdict(cfg), "target": str(target_path), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "replies": len(replies), "reply_tokens": num_reply_tokens,
                "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start, "steps": step,
