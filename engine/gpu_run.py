@@ -119,7 +119,7 @@ def tiny_target(path: Path) -> Path:
 def phase_check(args, out: Path) -> dict:
     """The CUDA tests, then the bench with the drafter this run trained (else the shipped one)."""
     tests = run_logged([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
-                       out / "check-tests.txt", timeout=300)
+                       out / "check-tests.txt", timeout=240)
     trained = out / "train" / "drafter"
     draft = "random" if args.tiny else str(trained) if (trained / "config.json").exists() else "default"
     bench_cmd = [sys.executable, "-m", "engine.cli", "bench", "--device", args.device, "--dtype", "bfloat16",
@@ -127,7 +127,7 @@ def phase_check(args, out: Path) -> dict:
                  "--max-new-tokens", "8" if args.tiny else "128", "--json", str(out / "check-bench.json")]
     if target_of(args, out):
         bench_cmd += ["--target", args.target]
-    bench = run_logged(bench_cmd, out / "check-bench.txt", timeout=300)
+    bench = run_logged(bench_cmd, out / "check-bench.txt", timeout=180)
     return {"tests": tests, "bench": bench, "draft": draft}
 
 

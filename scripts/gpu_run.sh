@@ -31,7 +31,8 @@ if [ ! -f "$GGUF" ] && compgen -G ".gpu/gguf.xz.part*" >/dev/null && [ -f .gpu/g
 fi
 [ -f "$GGUF" ] && export DFLASH_SERVE_GGUF="$PWD/$GGUF"
 RUN_DIR="${RUN_DIR:-$OUT}"
-"$PY" -m engine.gpu_run --out "$RUN_DIR" "$@" 2>&1 | tee -a "$OUT/log.txt"
+# RUN_TIMEOUT: seconds after which the run is stopped, leaving time to bundle what it made (a call's limit)
+timeout "${RUN_TIMEOUT:-86400}" "$PY" -m engine.gpu_run --out "$RUN_DIR" "$@" 2>&1 | tee -a "$OUT/log.txt"
 status="${PIPESTATUS[0]}"
 if [ "$RUN_DIR" != "$OUT" ]; then
   tar czf "$OUT/run.tar.gz" -C "$RUN_DIR" --exclude=model.safetensors --exclude=tiny-target .
