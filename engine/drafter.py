@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.model import CachedModel, Linear, ModelConfig, RMSNorm, Rotary, apply_rotary, can_pack, read_hf_config
+from engine.model import (
+    CachedModel, Linear, ModelConfig, RMSNorm, Rotary, apply_rotary, can_pack, masked_attention, read_hf_config,
+)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -141,7 +143,7 @@ class DraftAttention(nn.Module):
         slot_ids, read_index = slots
         cache.write(layer, slot_ids, write_pos, k, v)
         keys, values = cache.read(layer, read_index, kv_len)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = masked_attention(q, keys, values, mask)
         return self.o_proj(out.transpose(1, 2).reshape(batch, b, -1))
 
 

@@ -186,7 +186,7 @@ def phase_costs(args, out: Path) -> dict:
         rows[batch] = step_costs(target, drafter, head, batch, context, block, repeats)
         print(f"batch {batch}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in rows[batch].items()), flush=True)
     del target, drafter
-    hf = hf_token_costs(shape, device, context, (1, 8, 32), 4 if args.tiny else 32)
+    hf = hf_token_costs(shape, device, context, (1, 8, 32), 16 if args.tiny else 32)
     result = {"shape": shape, "context": context, "block": block, "tau": PAPER_TAU, "rows": {}}
     for batch, r in rows.items():
         step = r["draft"] + r["verify"]

@@ -120,12 +120,34 @@ def attention(q, keys, values, mask):
     if mask is None:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
     if q.shape[2] > 1 or q.dtype != torch.bfloat16 or q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return masked_attention(q, keys, values, mask)
     batch, heads, _, dim = q.shape
     kv_heads = keys.shape[1]
     scores = (q.view(batch, kv_heads, heads // kv_heads, dim).float() @ keys.transpose(-1, -2).float()) * dim**-0.5
     scores = scores.masked_fill(~mask, float("-inf"))  # [batch, kv_heads, group, kv_len]
     return (scores.softmax(-1) @ values.float()).to(q.dtype).view(batch, heads, 1, dim)
+
+
+def masked_attention(q, keys, values, mask):
+    """Attention with a boolean mask [batch or 1, 1, q, kv_len] (or [q, kv_len]), grouped-query or not.
+
+    On a GPU, grouped queries run as plain attention (grouped_attention): with a mask, SDPA's grouped
+    path is the math one, which repeats the keys and values for every query head."""
+    if q.device.type == "cuda" and q.shape[1] != keys.shape[1]:
+        return grouped_attention(q, keys, values, mask)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+
+
+def grouped_attention(q, keys, values, mask):
+    """Grouped-query attention as plain attention: the query heads that share a KV head become more query
+    rows of that head (head h reads KV head h // group), so a fused kernel runs it without copying keys.
+    q [batch, heads, q, dim]; keys/values [batch, kv_heads, kv_len, dim]; mask [..., q, kv_len] bool."""
+    batch, heads, q_len, dim = q.shape
+    kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    mask = mask.reshape(-1, 1, q_len, kv_len).expand(batch, 1, q_len, kv_len).repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, group * q_len, dim), keys, values, attn_mask=mask)
+    return out.view(batch, heads, q_len, dim)
 
 
 def apply_rotary(x, cos, sin):

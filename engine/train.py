@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
-from engine.model import apply_rotary
+from engine.model import apply_rotary, masked_attention
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -216,7 +216,7 @@ def train_forward(drafter: Drafter, embed: torch.Tensor, batch: Batch, feature_s
             rows = slice(b_lo * b, b_hi * b)
             keys = torch.cat([k[:, :, c_lo:c_hi], k[:, :, len(ctx) + rows.start: len(ctx) + rows.stop]], 2)
             values = torch.cat([v[:, :, c_lo:c_hi], v[:, :, len(ctx) + rows.start: len(ctx) + rows.stop]], 2)
-            outs.append(F.scaled_dot_product_attention(q[:, :, rows], keys, values, attn_mask=mask, enable_gqa=True))
+            outs.append(masked_attention(q[:, :, rows], keys, values, mask))
         out = torch.cat(outs, 2)[0].transpose(0, 1).reshape(n * b, -1)
         x = x + att.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -47,7 +47,7 @@ class OnlineConfig:
     anchors: int = 128
     feature_tokens: int = 32768  # padded positions per target pass that computes features
     lr: float = 6e-4
-    warmup: float = 0.04
+    warmup_steps: int = 100  # in steps, not time: how fast steps are must not change how gently training starts
     weight_decay: float = 0.01
     clip: float = 1.0
     loss_rows: int = 16384  # block positions per chunk of the loss (bounds the logits' memory)
@@ -99,9 +99,13 @@ def write_replies(target, tokenizer, items, cfg: OnlineConfig, stops, deadline=N
 @torch.no_grad()
 def target_pass(target, replies: list[Reply], feature_layers, cache, budget_tokens) -> list[Sequence]:
     """Sequences with the target's features and greedy choices, from prefills of at most
-    `budget_tokens` padded positions (the target's KV cache is scratch here)."""
+    `budget_tokens` padded positions (the target's KV cache is scratch here). The greedy choices
+    come from the last layer's output of the real positions only: the full logits of a pass are
+    tens of GB in float32."""
     out, lo = [], 0
-    device = target.device
+    device, last = target.device, target.config.num_layers - 1
+    layers = list(feature_layers) + ([] if last in feature_layers else [last])
+    hidden = target.config.hidden_size
     while lo < len(replies):
         hi, width = lo + 1, len(replies[lo].tokens)
         while hi < len(replies) and hi - lo < cache.num_slots and (hi + 1 - lo) * max(width, len(replies[hi].tokens)) <= budget_tokens:
@@ -112,8 +116,15 @@ def target_pass(target, replies: list[Reply], feature_layers, cache, budget_toke
         for i, r in enumerate(rows):
             ids[i, : len(r.tokens)] = torch.tensor(r.tokens)
             positions[i, : len(r.tokens)] = torch.arange(len(r.tokens))
-        logits, features = target(ids.to(device), positions.to(device), cache, list(range(len(rows))), width, feature_layers)
-        greedy = torch.cat([ids[:, :1], logits.argmax(-1)[:, :-1].cpu()], 1)  # row i: the choice for token i
+        first = torch.zeros(len(rows), 1, dtype=torch.long, device=device)  # logits of one position only
+        _, outputs = target(ids.to(device), positions.to(device), cache, list(range(len(rows))), width, layers, first)
+        features = outputs[..., : len(feature_layers) * hidden]
+        final = outputs[..., layers.index(last) * hidden: (layers.index(last) + 1) * hidden]
+        real = positions >= 0
+        choices = torch.cat([target.lm_head(target.norm(x)).argmax(-1) for x in final[real.to(device)].split(budget_tokens)])
+        greedy = torch.zeros(len(rows), width, dtype=torch.long)
+        greedy[real] = choices.cpu()
+        greedy = torch.cat([ids[:, :1], greedy[:, :-1]], 1)  # row i: the choice for token i
         for i, r in enumerate(rows):
             n = len(r.tokens)
             out.append(Sequence(ids[i, :n], r.prompt_len, features[i, :n], greedy=greedy[i, :n]))
@@ -147,6 +158,25 @@ def chunked_loss(hidden, head, labels, weights, rows_per_chunk):
     return total / wt.sum().clamp_min(1.0), hits, counted
 
 
+class StepTimer:
+    """Milliseconds of a step's parts (synchronising the device at each mark), when `on`."""
+
+    def __init__(self, device, on):
+        self.device, self.on, self.ms = device, on, {}
+        self.last = self._now() if on else 0.0
+
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def mark(self, name):
+        if self.on:
+            now = self._now()
+            self.ms[name] = round((now - self.last) * 1e3, 1)
+            self.last = now
+
+
 class Held:
     """Held-out sequences in the shape `engine.train.evaluate` reads."""
 
@@ -172,12 +202,12 @@ def make_drafter(cfg: OnlineConfig, target_config) -> Drafter:
     return Drafter(dc)
 
 
-def lr_scale(cfg: OnlineConfig, progress: float) -> float:
-    """Linear warm-up then cosine decay to 10% of the peak, over progress in [0, 1]."""
-    if progress < cfg.warmup:
-        return max(progress / cfg.warmup, 0.01)
-    t = min(1.0, (progress - cfg.warmup) / (1 - cfg.warmup))
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+def lr_scale(cfg: OnlineConfig, step: int, progress: float) -> float:
+    """Linear warm-up over the first warmup_steps, then cosine decay to 10% of the peak over the time
+    left (progress in [0, 1] is the share of the training time spent)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def train_online(cfg: OnlineConfig, quiet=False) -> dict:
@@ -261,19 +291,29 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     train_start, train_seconds = budget.elapsed, cfg.budget_s - budget.elapsed - cfg.reserve_s
     next_eval, step, blocks = time.monotonic() + cfg.eval_every_s, 0, 0
     bar = tqdm(desc="train", unit="step", disable=quiet)
+    skipped = 0
     while (progress := (budget.elapsed - train_start) / train_seconds if train_seconds > 0 else 1.0) < 1:
         for g in optimizer.param_groups:
-            g["lr"] = cfg.lr * lr_scale(cfg, progress)
+            g["lr"] = cfg.lr * lr_scale(cfg, step, progress)
+        timer = StepTimer(device, on=step < 5 or step % 50 == 0)
         picks = [replies[i] for i in torch.randint(len(replies), (cfg.seqs_per_step,), generator=generator).tolist()]
         seqs = target_pass(target, picks, layers, cache, cfg.feature_tokens)
+        timer.mark("target")
+        if step == 0:  # the scale of what the drafter reads, in the log for when training diverges
+            log({"features_max_abs": max(s.features.abs().max().item() for s in seqs),
+                 "features_finite": all(bool(s.features.isfinite().all()) for s in seqs)})
         anchors = [sample_anchors(s, cfg.anchors, generator) for s in seqs]
         batch = make_batch(seqs, anchors, cfg.block_size, drafter.config.mask_token_id).to(device)
+        timer.mark("batch")
         optimizer.zero_grad(set_to_none=True)
         try:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 hidden = train_forward(drafter, embed, batch, None)
+            timer.mark("forward")
             loss, hits, counted = chunked_loss(hidden[:, 1:], head, batch.labels, weights, cfg.loss_rows)
+            timer.mark("loss")
             loss.backward()
+            timer.mark("backward")
         except torch.OutOfMemoryError:  # a batch too large for this device: go on with half as many sequences
             del seqs, batch
             hidden = loss = None
@@ -283,12 +323,25 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
             log({"step": step, "out_of_memory": True, "seqs_per_step": cfg.seqs_per_step})
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        if not torch.isfinite(grad_norm):  # one bad batch must not end the run: its update is dropped
+            skipped += 1
+            log({"step": step, "skipped": "non-finite gradient", "loss": loss.item(), "skipped_total": skipped})
+            if skipped > 20 and skipped > step:
+                raise RuntimeError(f"{skipped} steps had non-finite gradients (of {step + skipped}); see {log_path}")
+            continue
         optimizer.step()
+        timer.mark("optimizer")
         step, blocks = step + 1, blocks + len(batch.block_ids)
-        if step % 10 == 0 or step == 1:
+        if timer.on:
+            if not quiet and step <= 5:
+                bar.write(f"step {step}: ms {timer.ms}, loss {loss.item():.3f}")
+            log({"step": step, "timing_ms": timer.ms, "memory_gb": torch.cuda.max_memory_allocated(device) / 2**30
+                 if device.type == "cuda" else None, "blocks_in_step": len(batch.block_ids)})
+        if step % 10 == 0 or step <= 20:
             accuracy = (hits.float() / counted.clamp_min(1)).tolist()
             log({"step": step, "seconds": budget.elapsed, "loss": loss.item(), "grad_norm": grad_norm.item(),
-                 "lr": optimizer.param_groups[0]["lr"], "blocks": blocks, "accuracy_per_pos": [round(a, 4) for a in accuracy]})
+                 "lr": optimizer.param_groups[0]["lr"], "blocks": blocks, "skipped": skipped,
+                 "accuracy_per_pos": [round(a, 4) for a in accuracy]})
             bar.set_postfix(loss=f"{loss.item():.3f}", acc=" ".join(f"{a:.2f}" for a in accuracy[:4]))
         bar.update(1)
         if time.monotonic() >= next_eval:
@@ -299,6 +352,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     summary = {"config": asdict(cfg), "target": str(target_path), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "replies": len(replies), "reply_tokens": num_reply_tokens,
                "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start, "steps": step,
+               "skipped_steps": skipped,
                "blocks": blocks, "final": evals[-1], "seconds": budget.elapsed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_online(log_path, out / "curves.png")

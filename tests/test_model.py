@@ -318,3 +318,21 @@ def test_ragged_batch_equals_padded_batch(pair, monkeypatch):
     positions = torch.tensor([[5, 6, 7, -1], [3, 4, 5, 6]])
     assert model_module.Ragged.of(positions) is not None  # 1 of 8 is padding
     assert model_module.Ragged.of(torch.arange(16).view(2, 8)) is None
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, q_len, kv_len", [(4, 9, 3, 1, 50), (2, 9, 3, 16, 70), (3, 4, 4, 5, 20)])
+def test_grouped_attention_equals_sdpa_with_grouped_queries(batch, heads, kv_heads, q_len, kv_len):
+    """The GPU's masked grouped-query attention (query heads of a KV head as more query rows) is SDPA's own
+    grouped attention, for a per-row mask and for one mask shared by the batch."""
+    import torch.nn.functional as F
+
+    from engine.model import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, q_len, 8, generator=g)
+    k, v = torch.randn(2, batch, kv_heads, kv_len, 8, generator=g)
+    mask = torch.rand(batch, 1, q_len, kv_len, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (mask, mask[0, 0]):
+        reference = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        torch.testing.assert_close(grouped_attention(q, k, v, m), reference)
