@@ -20,6 +20,7 @@ from engine.drafter import DraftHead
 from engine.policy import BlockPolicy, FixedBlockPolicy
 from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
 from engine.stats import SpecStats
+from engine.suffix import Proposal, SuffixProposer
 
 
 @dataclass
@@ -103,6 +104,7 @@ class StepOutput:
 # Padded prompt positions per prefill call: one 700-token prompt costs as much per token alone as in a
 # batch of 16 (bf16, one CPU core: 0.84 vs 0.98 s), so bigger groups only add padding and latency.
 PREFILL_TOKEN_BUDGET = 2048
+SUFFIX_BLOCK = 16  # the largest block a suffix draft fills when there is no drafter to set it
 BACKLOG_CALL_POSITIONS = 64  # a drafter pass of its own, in positions of a batch pass: set by eye from CPU timings, not tuned
 
 
@@ -153,10 +155,13 @@ class Engine:
         denoising_steps: int = 1,
         feature_layers: tuple[int, ...] | None = None,
         reduced_draft_head: bool = True,
+        suffix: SuffixProposer | None = None,
     ):
         """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
         Give them to an engine without a drafter that serves a drafter in another process.
-        reduced_draft_head: when the drafter has a draft vocabulary, score only those tokens."""
+        reduced_draft_head: when the drafter has a draft vocabulary, score only those tokens.
+        suffix: a SuffixProposer: each step, each request verifies either the drafter's block or what its
+        context already says (the policy's `suffix_widths` decides), with or without a drafter."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -181,6 +186,7 @@ class Engine:
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
         # only an engine that drafts reads the LM head here (a sharded target has none in this process)
         self.draft_head = DraftHead(target.lm_head, vocab) if drafter is not None else None
+        self.suffix = suffix
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
         self._ids = itertools.count()
@@ -204,8 +210,9 @@ class Engine:
                 f"({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion)"
             )
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Validate and admit a request; fails before any work and holds no slot on error."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, tenant=None) -> Request:
+        """Validate and admit a request; fails before any work and holds no slot on error. `tenant` (an
+        API key, say): the suffix proposer only ever proposes a tenant's own earlier outputs to it."""
         self.check_request(prompt_ids, params)
         if self.target_cache.num_used >= self.target_cache.num_slots:
             raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
@@ -216,6 +223,8 @@ class Engine:
         request.target_slot = self.target_cache.allocate()
         if self.drafter is not None:
             request.draft_slot = self.draft_cache.allocate()
+        if self.suffix is not None:
+            self.suffix.add_request(request.request_id, request.prompt_ids, tenant)
         self.requests[request.request_id] = request
         return request
 
@@ -226,6 +235,8 @@ class Engine:
         self.target_cache.free(request.target_slot)
         if request.draft_slot >= 0:
             self.draft_cache.free(request.draft_slot)
+        if self.suffix is not None:  # a finished output joins the shared index; an aborted one does not
+            self.suffix.finish(request.request_id, cache_output=request.finish_reason in ("stop", "length"))
         request.pending_features = None
         if not self.requests:
             self._last_step_end = None
@@ -273,18 +284,69 @@ class Engine:
         if not running:
             return []
         start, context = time.perf_counter(), max(r.num_cached for r in running)
-        block_sizes = self.policy.choose(running, [self._block_cap(r) for r in running])
-        drafted = self.draft(running, block_sizes)
-        draft = self.trim(running, drafted)
+        caps = [self._block_cap(r) for r in running]
+        proposals = self._suffix_proposals(running, caps)
+        widths = self.policy.suffix_widths(running, caps, proposals) if any(proposals) else [0] * len(running)
+        rows = [i for i, w in enumerate(widths) if w == 0]  # drafted by DFlash (or plain steps)
+        drafting = [running[i] for i in rows]
+        if drafting:
+            drafted = self.draft(drafting, self.policy.choose(drafting, [caps[i] for i in rows]))
+        else:  # every request verifies a suffix draft: no drafter pass at all
+            drafted = DraftBlock(torch.zeros(0, 1, dtype=torch.long, device=self.device), None, [])
+        draft = self._with_suffix(running, rows, self.trim(drafting, drafted), proposals, widths)
         num_accepted, next_ids, features = self.verify(running, draft)
         committed = [ids[: a + 1] for ids, a in zip(next_ids, num_accepted)]
-        self.observe(running, drafted, draft.block_sizes, num_accepted)
+        if drafting:
+            self.observe(drafting, drafted, [draft.block_sizes[i] for i in rows], [num_accepted[i] for i in rows])
+        if len(rows) < len(running):
+            self.observe_suffix(running, proposals, widths, num_accepted)
         for i, r in enumerate(running):
             self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
         outputs = self._finish_step(running, committed)
-        self.policy.observe_step(len(running), max(drafted.block_sizes), context, time.perf_counter() - start,
-                                 verified=sum(draft.block_sizes) / len(running), caught_up=drafted.caught_up)
+        if len(rows) == len(running):  # the cost model knows drafter + verify steps, not suffix-widened ones
+            self.policy.observe_step(len(running), max(drafted.block_sizes), context, time.perf_counter() - start,
+                                     verified=sum(draft.block_sizes) / len(running), caught_up=drafted.caught_up)
         return outputs
+
+    def _suffix_proposals(self, requests, caps) -> list[Proposal | None]:
+        """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer)."""
+        if self.suffix is None:
+            return [None] * len(requests)
+        return [self.suffix.propose(r.request_id, cap - 1) if cap > 1 else None for r, cap in zip(requests, caps)]
+
+    def _with_suffix(self, requests, rows, draft: "DraftBlock", proposals, widths) -> "DraftBlock":
+        """One block for every request: rows[j] has the drafter's row j, a request with widths[i] > 0 its
+        suffix proposal's first widths[i] tokens. A sampled request's suffix drafts have one-hot draft
+        probabilities: rejection sampling against them keeps its output distribution the target's."""
+        if len(rows) == len(requests):
+            return draft
+        sizes, ids = [0] * len(requests), [None] * len(requests)
+        for j, i in enumerate(rows):
+            sizes[i], ids[i] = draft.block_sizes[j], draft.block_ids[j, : draft.block_sizes[j]].tolist()
+        for i, (r, w) in enumerate(zip(requests, widths)):
+            if w:
+                sizes[i], ids[i] = w + 1, [r.last_token] + proposals[i].token_ids[:w]
+        b_max = max(sizes)
+        block_ids = torch.tensor([row + [0] * (b_max - len(row)) for row in ids], device=self.device)
+        probs = None
+        if any(r.params.temperature > 0 for r in requests):
+            probs = torch.zeros(len(requests), b_max - 1, self.target.config.vocab_size, device=self.device)
+            for j, i in enumerate(rows):
+                if draft.draft_probs is not None and sizes[i] > 1:
+                    probs[i, : sizes[i] - 1] = draft.draft_probs[j, : sizes[i] - 1]
+            for i, w in enumerate(widths):
+                if w:
+                    probs[i, torch.arange(w), block_ids[i, 1: w + 1]] = 1.0
+        return DraftBlock(block_ids, probs, sizes)
+
+    def observe_suffix(self, requests, proposals, widths, num_accepted):
+        """Record the verified suffix drafts: stats (proposer "suffix") and the policy's calibration."""
+        rows = [i for i, w in enumerate(widths) if w]
+        for i in rows:
+            requests[i].stats.observe_draft(widths[i], num_accepted[i], "suffix")
+            self.stats.observe_draft(widths[i], num_accepted[i], "suffix")
+        self.policy.observe_suffix([requests[i] for i in rows], [proposals[i] for i in rows],
+                                   [widths[i] for i in rows], [num_accepted[i] for i in rows])
 
     def trim(self, requests: list[Request], drafted: DraftBlock) -> DraftBlock:
         """The drafted block cut to what the policy wants verified, from the drafts' confidence.
@@ -299,17 +361,18 @@ class Engine:
 
     def observe(self, requests: list[Request], drafted: DraftBlock, verified_sizes: list[int], num_accepted: list[int]):
         """Record a verified step: the speculative stats (verified drafts only) and, for the policy, what was drafted."""
+        proposer = "dflash" if self.drafter is not None else None
         for i, r in enumerate(requests):
-            r.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i])
-            self.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i])
+            r.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i], proposer)
+            self.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i], proposer)
         if drafted.confidence is not None:
             self.policy.observe_verified(requests, drafted.block_sizes, verified_sizes, drafted.confidence, num_accepted)
 
     def _block_cap(self, r: Request) -> int:
         """The largest block this request may verify: its own block size and its remaining budget."""
-        if self.drafter is None:
+        if self.drafter is None and self.suffix is None:
             return 1
-        cap = r.params.block_size or self.drafter.config.block_size
+        cap = r.params.block_size or (self.drafter.config.block_size if self.drafter is not None else SUFFIX_BLOCK)
         return max(1, min(cap, r.params.max_tokens - len(r.output_ids) + 1))
 
     @torch.inference_mode()
@@ -457,6 +520,8 @@ class Engine:
         outputs = []
         for r, new in zip(requests, committed):
             new = r.append_output(new, self.stop_token_ids, self.decode, speculative)
+            if self.suffix is not None:
+                self.suffix.extend(r.request_id, new)
             if r.finished:
                 self.release(r)
             outputs.append(StepOutput(r.request_id, new, r.finish_reason))

@@ -33,6 +33,33 @@ from engine.sampling import verify_greedy
 
 
 class BlockPolicy:
+    _suffix_calibration = None
+
+    @property
+    def suffix_calibration(self) -> "SuffixCalibration":
+        if self._suffix_calibration is None:
+            self._suffix_calibration = SuffixCalibration()
+        return self._suffix_calibration
+
+    def suffix_widths(self, requests, caps: list[int], proposals) -> list[int]:
+        """How many drafts of its suffix proposal (engine.suffix.Proposal, or None) each request verifies
+        this step instead of drafting with DFlash; 0: DFlash (or a plain step). Default: the whole proposal
+        (up to cap - 1) where its calibrated expected tokens beat the request's DFlash acceptance length so far."""
+        out = []
+        for r, cap, p in zip(requests, caps, proposals):
+            if p is None or not p.token_ids or cap < 2:
+                out.append(0)
+                continue
+            expected = expected_tokens(self.suffix_calibration.acceptance(p, r.params.temperature > 0)[: cap - 1])
+            dflash = r.stats.by_proposer.get("dflash")
+            out.append(len(expected) - 1 if dflash is None or expected[-1] > dflash.mean_acceptance_length else 0)
+        return out
+
+    def observe_suffix(self, requests, proposals, widths: list[int], num_accepted: list[int]):
+        """What the target accepted of the suffix drafts it verified (`widths[i]` of proposal i)."""
+        for r, p, w, a in zip(requests, proposals, widths, num_accepted):
+            self.suffix_calibration.observe(p, r.params.temperature > 0, w, a)
+
     def choose(self, requests, caps: list[int]) -> list[int]:
         """How many positions each request drafts (its block: last token + drafts), at most its cap."""
         raise NotImplementedError
@@ -398,6 +425,45 @@ class ConfidenceCalibration:
             accepted[i] *= scale
 
 
+class SuffixCalibration:
+    """P(a suffix draft is accepted | the drafts before it were), learned online per match-length bin and
+    per bin of the draft's frequency among the matches (engine.suffix.Proposal.counts / num_matches), greedy
+    and sampled drafts apart. Each bin starts at a prior that grows with the match length and the frequency,
+    worth `prior_weight` drafts, and keeps at most `max_count` drafts' worth of counts."""
+
+    MATCH_BINS = (1, 2, 4, 8, 16)  # lower bounds of the match-length bins
+    MATCH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.85)  # prior acceptance of a draft every match continued with
+
+    def __init__(self, freq_bins=4, prior_weight=4.0, max_count=4096.0):
+        self.freq_bins, self.prior_weight, self.max_count = freq_bins, prior_weight, max_count
+        size = 2 * len(self.MATCH_BINS) * freq_bins
+        self.prior = [self.MATCH_PRIOR[(i // freq_bins) % len(self.MATCH_BINS)] * ((i % freq_bins) + 1) / freq_bins
+                      for i in range(size)]
+        self.reached, self.accepted = [0.0] * size, [0.0] * size
+
+    def bin(self, match_length: int, frequency: float, sampled: bool) -> int:
+        m = bisect.bisect_right(self.MATCH_BINS, match_length) - 1
+        f = min(max(int(frequency * self.freq_bins - 1e-9), 0), self.freq_bins - 1)
+        return ((len(self.MATCH_BINS) if sampled else 0) + max(m, 0)) * self.freq_bins + f
+
+    def _bins(self, proposal, sampled) -> list[int]:
+        return [self.bin(proposal.match_length, c / proposal.num_matches, sampled) for c in proposal.counts]
+
+    def acceptance(self, proposal, sampled: bool) -> list[float]:
+        """Conditional acceptance of each of the proposal's drafts."""
+        w = self.prior_weight
+        return [(self.accepted[b] + w * self.prior[b]) / (self.reached[b] + w) for b in self._bins(proposal, sampled)]
+
+    def observe(self, proposal, sampled: bool, num_verified: int, num_accepted: int):
+        for k, b in enumerate(self._bins(proposal, sampled)[: min(num_accepted + 1, num_verified)]):
+            self.reached[b] += 1
+            self.accepted[b] += k < num_accepted
+            if self.reached[b] > self.max_count:
+                scale = self.max_count / self.reached[b]
+                self.reached[b] *= scale
+                self.accepted[b] *= scale
+
+
 @dataclass
 class ExpectedAcceptance:
     """Per draft position, how often a request's drafts were reached and accepted, counting the drafts
@@ -570,7 +636,9 @@ class AdaptiveBlockPolicy(BlockPolicy):
     def evidence(self, request):
         """A request's per-position counts: its ExpectedAcceptance once a verified draft was reported, else its SpecStats."""
         tracked = self._track(request, create=False)
-        return tracked.expected if tracked is not None and tracked.expected is not None else request.stats
+        if tracked is not None and tracked.expected is not None:
+            return tracked.expected
+        return request.stats.by_proposer.get("dflash", request.stats)
 
     def _track(self, request, create=True) -> "_Tracked | None":
         tracked = self._tracked.get(id(request))
@@ -619,6 +687,29 @@ class AdaptiveBlockPolicy(BlockPolicy):
         for b in blocks:
             sizes = [min(b, cap) for cap in caps]
             out[b] = (sum(e[s - 1] for e, s in zip(expected, sizes)), self.step_cost(len(caps), max(sizes), context))
+        return out
+
+    def suffix_widths(self, requests, caps, proposals):
+        """Per request, the suffix drafts to verify (0: draft with DFlash): the proposal's prefix whose
+        expected tokens per second beats the best DFlash block's for the request, costed at this batch
+        (a suffix step pays no drafter pass)."""
+        batch, context = len(requests), self._context(requests)
+        cost = self.cost_model
+        pooled = self.pooled_acceptance(max(caps) - 1)
+        verify = {}  # width -> seconds of a verify that wide, with what a step costs outside the engine
+        out = []
+        for r, cap, p in zip(requests, caps, proposals):
+            if p is None or not p.token_ids or cap < 2:
+                out.append(0)
+                continue
+            suffix = expected_tokens(self.suffix_calibration.acceptance(p, r.params.temperature > 0)[: cap - 1])
+            for width in range(1, len(suffix)):
+                if width not in verify:
+                    verify[width] = cost.verify_cost(batch, width + 1, context) * self._cost_ratio(1) + self.overhead
+            rate, width = max((suffix[w] / verify[w], w) for w in range(1, len(suffix)))
+            dflash = expected_tokens(self.acceptance(r, cap - 1, pooled))
+            best = max(dflash[b - 1] / self.step_cost(batch, b, context) for b in self.block_sizes if b <= cap)
+            out.append(width if rate > best else 0)
         return out
 
     def trim(self, requests, block_sizes, confidence, context):

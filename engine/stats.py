@@ -1,7 +1,8 @@
 """Speculative-decoding statistics with vLLM's definitions; exporters live elsewhere.
 
 acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts;
-per-position acceptance = accepted_per_pos / drafts.
+per-position acceptance = accepted_per_pos / drafts. Drafts come from a proposer (dflash: the drafter;
+suffix: what the context already says); the totals count every proposer, `by_proposer` each apart.
 """
 
 from dataclasses import dataclass, field
@@ -15,9 +16,13 @@ class SpecStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     reached_per_pos: list[int] = field(default_factory=list)  # drafted with all before accepted
     block_sizes: dict[int, int] = field(default_factory=dict)
+    by_proposer: dict[str, "SpecStats"] = field(default_factory=dict)
 
-    def observe_draft(self, num_draft_tokens: int, num_accepted: int):
-        """One verified block with `num_draft_tokens` drafts of which the first `num_accepted` held."""
+    def observe_draft(self, num_draft_tokens: int, num_accepted: int, proposer: str | None = None):
+        """One verified block with `num_draft_tokens` drafts of which the first `num_accepted` held,
+        drafted by `proposer` (None: not told apart)."""
+        if proposer is not None and num_draft_tokens > 0:
+            self.of(proposer).observe_draft(num_draft_tokens, num_accepted)
         self.block_sizes[num_draft_tokens + 1] = self.block_sizes.get(num_draft_tokens + 1, 0) + 1
         if num_draft_tokens == 0:
             return
@@ -33,6 +38,12 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def of(self, proposer: str) -> "SpecStats":
+        """The drafts of one proposer (empty if it drafted none yet)."""
+        if proposer not in self.by_proposer:
+            self.by_proposer[proposer] = SpecStats()
+        return self.by_proposer[proposer]
+
     def merge(self, other: "SpecStats"):
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
@@ -44,6 +55,8 @@ class SpecStats:
                 mine[i] += n
         for b, n in other.block_sizes.items():
             self.block_sizes[b] = self.block_sizes.get(b, 0) + n
+        for name, theirs in other.by_proposer.items():
+            self.of(name).merge(theirs)
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,4 +84,8 @@ class SpecStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "block_sizes": dict(sorted(self.block_sizes.items())),
+            "proposers": {name: {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                                 "num_accepted_tokens": s.num_accepted_tokens,
+                                 "mean_acceptance_length": s.mean_acceptance_length}
+                          for name, s in sorted(self.by_proposer.items())},
         }

@@ -369,3 +369,86 @@ def test_default_model_dflash_equals_target_greedy_batched():
     assert greedy_outputs(engine, prompts, 24) == reference
     assert engine.generate_batch(prompts[:1], SamplingParams(max_tokens=24))[0].output_ids == reference[0]
     assert engine.target_cache.num_used == 0
+
+
+# ---- suffix drafting beside DFlash ----------------------------------------------------------------
+
+
+class AlternateSources(FixedBlockPolicy):
+    """Every other running request verifies its suffix proposal, the rest DFlash's block: a test policy
+    that makes every step a mixed batch whatever the calibration would say."""
+
+    def suffix_widths(self, requests, caps, proposals):
+        return [len(p.token_ids[: cap - 1]) if p is not None and i % 2 == 0 else 0
+                for i, (cap, p) in enumerate(zip(caps, proposals))]
+
+
+def repetitive_prompts(n, vocab, seed=0):
+    """Prompts that repeat a phrase, so their own tokens give suffix proposals from the first step."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(vocab) for _ in range(rng.randint(3, 6))]
+        out.append(phrase * rng.randint(2, 4) + [rng.randrange(vocab)])
+    return out
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["suffix-only", "dflash+suffix"])
+def test_suffix_drafting_greedy_equals_autoregressive(with_drafter):
+    """Greedy output with suffix drafts (alone, or chosen per request and step beside the drafter's blocks)
+    is the target's own; drafts were made and accepted by the suffix proposer; no slot or index is left."""
+    from engine.suffix import SuffixProposer
+
+    target, drafter = tiny_models(seed=4)
+    prompts = repetitive_prompts(6, TINY.vocab_size) + random_prompts(2, TINY.vocab_size, seed=4)
+    reference = greedy_outputs(Engine(target), prompts, 40)
+    engine = Engine(target, drafter if with_drafter else None, max_slots=3, suffix=SuffixProposer())
+    assert greedy_outputs(engine, prompts, 40) == reference
+    suffix = engine.stats.of("suffix")
+    assert suffix.num_drafts > 0 and suffix.num_accepted_tokens > 0
+    assert engine.target_cache.num_used == 0 and not engine.suffix.requests
+    assert engine.suffix.global_index.num_tokens == sum(len(r) for r in reference)  # finished outputs are kept
+
+
+def test_mixed_batch_gives_each_request_what_it_gets_alone():
+    """A batch where some rows verify suffix drafts and others the drafter's block, every step (float32):
+    each row's output is exactly what the request gets alone, and both proposers drafted in it."""
+    from engine.suffix import SuffixProposer
+
+    target, drafter = tiny_models(seed=5)
+    prompts = repetitive_prompts(6, TINY.vocab_size, seed=5)
+    alone = [greedy_outputs(Engine(target, drafter, max_slots=1), [p], 30)[0] for p in prompts]
+    engine = Engine(target, drafter, max_slots=6, policy=AlternateSources(4), suffix=SuffixProposer())
+    assert greedy_outputs(engine, prompts, 30) == alone
+    assert engine.stats.of("suffix").num_drafts > 0 and engine.stats.of("dflash").num_drafts > 0
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["suffix-only", "dflash+suffix"])
+def test_sampling_with_suffix_drafts_matches_target_distribution(with_drafter):
+    """Suffix drafts enter rejection sampling with one-hot draft probabilities: the first 3 sampled tokens
+    still follow the target's law (earlier outputs in the shared index give proposals at most steps)."""
+    from engine.suffix import SuffixProposer
+
+    target, drafter = tiny_models(seed=2, vocab_size=6)
+    policy = AlternateSources(3) if with_drafter else None
+    engine = Engine(target, drafter if with_drafter else None, max_slots=100, policy=policy, suffix=SuffixProposer())
+    fits, chi2, threshold = sampled_sequences_fit_the_target(engine, 0.9, 0, 1.0)
+    assert fits, (chi2, threshold)
+    assert engine.stats.of("suffix").num_drafts > 100
+
+
+def test_suffix_engine_takes_short_and_repetitive_prompts():
+    """A one-token prompt (nothing to match yet) and a prompt of one token repeated 400 times (the tiny
+    model's context is 512) decode
+    exactly, without error, and in bounded time."""
+    import time
+
+    from engine.suffix import SuffixProposer
+
+    target, _ = tiny_models(seed=6)
+    engine = Engine(target, max_slots=2, suffix=SuffixProposer())
+    prompts = [[3], [5] * 400]
+    reference = greedy_outputs(Engine(target, max_slots=2), prompts, 48)
+    start = time.perf_counter()
+    assert greedy_outputs(engine, prompts, 48) == reference
+    assert time.perf_counter() - start < 30
