@@ -4,6 +4,7 @@ same prompts, weights and settings in one process; it prints a table and writes 
 It owns the method adapters, the timing and the comparison metrics; models come from engine.loading.
 """
 
+import copy
 import json
 import os
 import platform
@@ -22,11 +23,12 @@ from engine.loading import load, quantize_int8, stop_token_ids
 from engine.policy import FixedBlockPolicy
 from engine.prompts import DEFAULT_PROMPTS, Prompt, chat, read_prompts
 from engine.stats import SpecStats
+from engine.suffix import SuffixProposer
 
-METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-adaptive")
-NEEDS_DRAFTER = {"zlab", "dflash", "dflash-adaptive"}
+METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
+NEEDS_DRAFTER = {"zlab", "dflash", "dflash-adaptive", "dflash+suffix"}
 NEEDS_HF_MODEL = {"hf", "hf-lookup", "zlab"}
-BATCHABLE = ("ar", "dflash", "dflash-adaptive")
+BATCHABLE = ("ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
 WARMUP_PROMPT = chat("Hi!")
 WARMUP_TOKENS = 8
 
@@ -122,32 +124,44 @@ class EngineSpec:
     drafter: object | None
     policy: object | None = None
     block_size: int | None = None
+    suffix: bool = False  # a suffix proposer beside the drafter (or alone)
 
 
 def make_engine(loaded, spec: EngineSpec, cfg: BenchConfig, max_slots: int, max_len: int) -> Engine:
     return Engine(
         loaded.target, spec.drafter, max_slots=max_slots, max_len=max_len, policy=spec.policy,
         stop_token_ids=stop_token_ids(loaded.target_path), denoising_steps=cfg.denoising_steps,
-        reduced_draft_head=not cfg.full_draft_head,
+        reduced_draft_head=not cfg.full_draft_head, suffix=SuffixProposer() if spec.suffix else None,
     )
+
+
+def fresh_suffix_index(engine: Engine):
+    """An empty suffix index before each timed run: a prompt's own earlier output (a warm-up, an earlier
+    repeat) would otherwise be proposed back to it, which no real request gets."""
+    if engine.suffix is not None:
+        engine.suffix = SuffixProposer(engine.suffix.config)
 
 
 def engine_method(engine: Engine, block_size: int | None) -> Method:
     def generate(ids, p):
+        fresh_suffix_index(engine)
         r = engine.generate_batch([ids], replace(p, block_size=block_size))[0]
-        spec = engine.drafter is not None
+        spec = engine.drafter is not None or engine.suffix is not None
         return Generation(r.output_ids, r.acceptance_lengths if spec else None, r.stats if spec else None)
 
     return generate
 
 
-def adaptive_policy(target, drafter, max_block_size):
-    """engine.policy.AdaptiveBlockPolicy, profiled on these models; None while it does not exist."""
-    try:
-        from engine.policy import AdaptiveBlockPolicy
-    except ImportError:
-        return None
-    return AdaptiveBlockPolicy.profile(target, drafter, max_block_size)
+def adaptive_policy(target, drafter, max_block_size, profiled={}):
+    """engine.policy.AdaptiveBlockPolicy profiled on these models; a fresh copy of one profile per call
+    (each engine learns on its own; the profile is timed once)."""
+    from engine.policy import AdaptiveBlockPolicy
+
+    key = (id(target), id(drafter), max_block_size)
+    if key not in profiled:
+        profiled.clear()  # models of another setup: their ids may be reused
+        profiled[key] = AdaptiveBlockPolicy.profile(target, drafter, max_block_size)
+    return copy.deepcopy(profiled[key])
 
 
 def zlab_drafter_dir(loaded, drafter, tmp: Path) -> Path:
@@ -222,12 +236,11 @@ def engine_specs(cfg: BenchConfig, target, drafter, block_size: int, notes: list
             specs[name] = EngineSpec(None)
         elif name == "dflash":
             specs[name] = EngineSpec(drafter, FixedBlockPolicy(block_size), block_size)
-        elif name == "dflash-adaptive":
-            policy = adaptive_policy(target, drafter, block_size)
-            if policy is None:
-                notes.append("dflash-adaptive skipped: engine.policy has no AdaptiveBlockPolicy yet")
-            else:
-                specs[name] = EngineSpec(drafter, policy, block_size)
+        elif name in ("dflash-adaptive", "dflash+suffix"):
+            specs[name] = EngineSpec(drafter, adaptive_policy(target, drafter, block_size), block_size,
+                                     suffix=name == "dflash+suffix")
+        elif name == "suffix":
+            specs[name] = EngineSpec(None, suffix=True)
     for b in cfg.block_sizes:
         specs[f"dflash-b{b}"] = EngineSpec(drafter, FixedBlockPolicy(b), b)
     return specs
@@ -302,7 +315,10 @@ def run_batch(cfg: BenchConfig, s: Setup, records) -> dict:
         engine = make_engine(s.loaded, spec, cfg, n, s.max_len)
         engine.generate_batch(warmup, [replace(p, max_tokens=WARMUP_TOKENS) for p in params])
         batched = [replace(p, block_size=spec.block_size) for p in params]
-        runs = [timed(lambda: engine.generate_batch(prompts, batched)) for _ in range(cfg.repeats)]
+        runs = []
+        for _ in range(cfg.repeats):
+            fresh_suffix_index(engine)
+            runs.append(timed(lambda: engine.generate_batch(prompts, batched)))
         requests, seconds = min(runs, key=lambda run: run[1])
         single = [records[name][i] for i in indices]
         tokens = sum(len(r.output_ids) for r in requests)
@@ -314,7 +330,7 @@ def run_batch(cfg: BenchConfig, s: Setup, records) -> dict:
             "aggregate_tokens_per_s": tokens / seconds,
             "single_tokens_per_s": single_tps,
             "ratio": tokens / seconds / single_tps,
-            "tau": mean_or_none([a for r in requests for a in r.acceptance_lengths]) if spec.drafter else None,
+            "tau": mean_or_none([a for r in requests for a in r.acceptance_lengths]) if spec.drafter or spec.suffix else None,
             "matches_single": all(same) if cfg.greedy else None,
             "match_rate_single": sum(same) / n if cfg.greedy else None,
         }
@@ -386,7 +402,9 @@ def key_ratios(methods: dict, batch: dict | None) -> list[str]:
     """The headline ratios (medians over prompts of paired tokens/s ratios)."""
     p = {name: m["prompts"] for name, m in methods.items()}
     out = []
-    for a, b in (("ar", "hf"), ("dflash", "zlab"), ("dflash", "hf"), ("zlab", "hf")):
+    pairs = (("ar", "hf"), ("dflash", "zlab"), ("dflash", "hf"), ("zlab", "hf"), ("dflash+suffix", "ar"),
+             ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"))
+    for a, b in pairs:
         if a in p and b in p:
             out.append(f"{a}/{b} {paired_ratio(p[a], p[b]):.2f}x")
     fixed = [n for n in p if n == "dflash" or n.startswith("dflash-b")]

@@ -432,9 +432,9 @@ class SuffixCalibration:
     worth `prior_weight` drafts, and keeps at most `max_count` drafts' worth of counts."""
 
     MATCH_BINS = (1, 2, 4, 8, 16)  # lower bounds of the match-length bins
-    MATCH_PRIOR = (0.3, 0.45, 0.6, 0.75, 0.85)  # prior acceptance of a draft every match continued with
+    MATCH_PRIOR = (0.35, 0.5, 0.7, 0.85, 0.92)  # prior acceptance of a draft every match continued with
 
-    def __init__(self, freq_bins=4, prior_weight=4.0, max_count=4096.0):
+    def __init__(self, freq_bins=4, prior_weight=2.0, max_count=4096.0):
         self.freq_bins, self.prior_weight, self.max_count = freq_bins, prior_weight, max_count
         size = 2 * len(self.MATCH_BINS) * freq_bins
         self.prior = [self.MATCH_PRIOR[(i // freq_bins) % len(self.MATCH_BINS)] * ((i % freq_bins) + 1) / freq_bins

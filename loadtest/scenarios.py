@@ -193,6 +193,30 @@ def first_turns(scenario: str, n: int) -> list[Prompt]:
     return [Prompt(messages=c[0]) for c in conversations(scenario, n)]
 
 
+def bench_prompts(scenario: str, n: int) -> list[Prompt]:
+    """n requests of a scenario as `dflash-serve bench` runs them (one process, one request each), the
+    turn the server decodes most of in the load test: rag, the question with its passages; agent, the
+    turn after the tool result (its history holds the tool call the task needs, as the assistant's)."""
+    if scenario == "rag":
+        return first_turns("rag", n)
+    out = []
+    for task, (first, observation) in zip(agent_tasks(Retriever(stdlib_passages()), n, random.Random(SEED)),
+                                          conversations("agent", n)):
+        call = Message(role="assistant", content=json.dumps(task["call"]))
+        out.append(Prompt(messages=first + [call] + observation))
+    return out
+
+
+def write_bench_prompts(folder: Path, n: int = 16) -> list[Path]:
+    """data/prompts/rag.jsonl and agent.jsonl: bench_prompts as `bench --prompts` files."""
+    paths = []
+    for scenario in ("rag", "agent"):
+        path = Path(folder) / f"{scenario}.jsonl"
+        path.write_text("".join(p.model_dump_json(exclude_none=True) + "\n" for p in bench_prompts(scenario, n)))
+        paths.append(path)
+    return paths
+
+
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:
     """Build every scenario's traffic and write it to `path` (JSON); returns it."""
     rng = random.Random(seed)
