@@ -131,6 +131,7 @@ class DraftBlock:
     # function of the drafter's output only, never of a sampled token), or None
     confidence: torch.Tensor | None = None
     caught_up: int = 0  # target positions whose features the drafter took in with this pass (the widest row)
+    proposers: list[str] | None = None  # per row, what drafted it ("dflash", "suffix"); None: the drafter alone
 
     def trimmed(self, block_sizes: list[int]) -> "DraftBlock":
         """The same drafts, each row verifying only its first block_sizes[i] <= self.block_sizes[i] positions."""
@@ -138,7 +139,8 @@ class DraftBlock:
             return self
         b_max = max(block_sizes)
         return DraftBlock(self.block_ids[:, :b_max], None if self.draft_probs is None else self.draft_probs[:, : b_max - 1],
-                          block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1], self.caught_up)
+                          block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1], self.caught_up,
+                          self.proposers)
 
 
 class Engine:
@@ -337,7 +339,7 @@ class Engine:
             for i, w in enumerate(widths):
                 if w:
                     probs[i, torch.arange(w), block_ids[i, 1: w + 1]] = 1.0
-        return DraftBlock(block_ids, probs, sizes)
+        return DraftBlock(block_ids, probs, sizes, proposers=["suffix" if w else "dflash" for w in widths])
 
     def observe_suffix(self, requests, proposals, widths, num_accepted):
         """Record the verified suffix drafts: stats (proposer "suffix") and the policy's calibration."""
