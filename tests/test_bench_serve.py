@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine import cli
+from dflash_serve import cli
 
 LEVELS = [1, 2]
 PERCENTILE_KEYS = {"p50", "p90", "p99", "mean"}

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine import cli
+from dflash_serve import cli
 
 
 def test_traffic_is_real_and_held_out(tmp_path):

@@ -149,7 +149,7 @@ def load_run(serve_cluster, repeat_drafter, prometheus):
     {topology: (application, model, [usage of every request])} and the run's start time."""
     runs = {}
     for topology, (app, prefix, sizes) in TOPOLOGIES.items():
-        config = AppConfig(draft=repeat_drafter, dtype="float32", model_name=app, **sizes)
+        config = AppConfig(policy="fixed", draft=repeat_drafter, dtype="float32", model_name=app, **sizes)
         runs[topology] = (app, app, openai_client(deploy(build_app(config), app, serve_cluster, prefix)), [])
     start = time.time()
     try:

@@ -123,7 +123,7 @@ def test_a_lost_shard_fails_the_health_check(sharded):
 
 APP_NAME = "dflash-shards-test"
 PREFIX = "/shards"
-CONFIG = AppConfig(topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5,
+CONFIG = AppConfig(policy="fixed", topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5,
                    num_shards=2, shard_num_cpus=SHARD_CPUS)
 CHAT_PROMPT = "Write a haiku about the sea."
 
@@ -149,7 +149,7 @@ def handles(server):
 def test_sharded_verifier_serves_the_engine_text_and_frees_everything(server, handles, reference, sharded):
     groups = [g for g in shard_groups() if len(g["bundles"]) == 3]  # the verifier replica + its 2 shards
     assert len(groups) == 1 and groups[0]["strategy"] == "PACK"
-    assert handles["VerifierReplica"].info.remote().result()["num_shards"] == 2
+    assert handles["VerifierReplica"].info.remote().result().num_shards == 2
     client = openai_client(server)
     want = reference.text(reference.chat_ids(CHAT_PROMPT))
     assert chat_text(client, CHAT_PROMPT, temperature=0) == want

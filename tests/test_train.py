@@ -101,7 +101,7 @@ def data_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("datagen")
     for split, n in (("train", 6), ("held-out", 3)):
         r = subprocess.run(
-            [sys.executable, "-m", "engine.cli", "datagen", "--out", str(root / split), "--split", split,
+            [sys.executable, "-m", "dflash_serve.cli", "datagen", "--out", str(root / split), "--split", split,
              "--num-prompts", str(n), "--max-new-tokens", "40", "--batch-size", "3", "--dtype", "float32"],
             cwd=ROOT, capture_output=True, text=True, timeout=600,
         )
@@ -212,7 +212,7 @@ def test_training_goes_on_from_a_saved_drafter(data_dirs, tmp_path):
 def test_datagen_skip_prompts_continues_where_a_folder_stopped(data_dirs, tmp_path):
     """--skip-prompts 4 --num-prompts 2 regenerates exactly the prompts that come after the first 4; training
     reads both folders as one (--data A,B), and refuses folders made with different targets."""
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "datagen", "--out", str(tmp_path / "next"),
+    r = subprocess.run([sys.executable, "-m", "dflash_serve.cli", "datagen", "--out", str(tmp_path / "next"),
                         "--num-prompts", "2", "--skip-prompts", "4", "--max-new-tokens", "40", "--batch-size", "3",
                         "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -251,7 +251,7 @@ def test_held_out_made_in_another_dtype_is_flagged(data_dirs, tmp_path, capsys):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "dflash_serve.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
