@@ -195,6 +195,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--workers", type=int, default=1, help="data-parallel workers (> 1: Ray Train on a loopback cluster)")
 
+    tc = subs.add_parser("train-curves", help="held-out tau against training CPU time for several runs, side by side")
+    tc.add_argument("runs", nargs="+", metavar="LABEL=PATH",
+                    help="a run's log.jsonl or evals.json; LABEL=PATH1+PATH2 chains a run and one started from its drafter")
+    tc.add_argument("--out", required=True, help="folder for curves.md and curves.png")
+    tc.add_argument("--points", type=comma_list(float), default=[10, 20, 30, 40, 50, 60, 80, 100, 120],
+                    help="CPU-minutes to tabulate")
+    tc.add_argument("--project", type=comma_list(float), default=[], metavar="TAUS",
+                    help="comma list of tau targets: fit the last run's curve (tau - 1 as a power of CPU time) "
+                         "and say when it would reach them")
+    tc.add_argument("--fit-from", type=float, default=20.0, help="CPU-minutes where that fit starts")
+
     ev = subs.add_parser("eval-drafter", help="a drafter's held-out greedy tau on chat and on code prompts")
     ev.add_argument("--held-out", default="default",
                     help="datagen folder of the held-out split (default: the committed held-out prompts, made on first use)")
@@ -205,6 +216,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     dash = subs.add_parser("dashboards", help="write the Grafana dashboard (and push it to a Grafana server)")
     dashboards.add_arguments(dash)
+    pp = subs.add_parser("plot-panel", help="draw a dashboard panel from Prometheus as a PNG (what Grafana shows)")
+    dashboards.add_plot_arguments(pp)
     lt = subs.add_parser("loadtest", help="Locust chat/RAG/agent load: speculation on vs off, fixed vs adaptive blocks")
     lt.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
     lt.add_argument("--users", type=comma_list(int), default=[1, 4, 16], help="comma list of concurrent users")
@@ -230,6 +243,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                     help="keep the runs already in --out/runs (same flags): an interrupted sweep goes on where it stopped")
     add_engine_flags(lt, only=("target", "draft", "dtype"))
 
+    lk = subs.add_parser("lockstep", help="block policies side by side in one process under continuous batching "
+                                          "(the load test's conversations, the engines taking turns step by step)")
+    lk.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
+    lk.add_argument("--batch", type=comma_list(int), default=[16], help="comma list: requests kept running per engine")
+    lk.add_argument("--prompts", type=int, default=48, help="conversations per scenario and repeat")
+    lk.add_argument("--turns", default="first", choices=("first", "all"),
+                    help="first: each conversation's first request; all: every turn, the replies in the history")
+    lk.add_argument("--variants", type=comma_list(str), default=["b1", "b2", "b4", "adaptive"],
+                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
+    lk.add_argument("--max-block", type=int, default=16, help="every request's largest block (a server's)")
+    lk.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per reply")
+    lk.add_argument("--repeats", type=int, default=1, help="runs per cell, each on conversations of its own")
+    lk.add_argument("--out", default=None, help="folder for report.md, report.json and lockstep.png")
+    add_engine_flags(lk, only=("target", "draft", "dtype"))
+
     sk = subs.add_parser("soak", help="mixed chat/RAG/agent load for a bounded time: replica memory and KV slots stay flat?")
     sk.add_argument("--minutes", type=float, default=10.0, help="minutes of load")
     sk.add_argument("--users", type=int, default=12, help="concurrent users, chat, RAG and agent in equal parts")
@@ -238,7 +266,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sk.add_argument("--out", default="soak-report", help="folder for soak.md, soak.json, soak.png and Locust's files")
     add_engine_flags(sk, only=("policy", "max_slots"))
     return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
-                    "eval-drafter": ev, "dashboards": dash, "loadtest": lt, "soak": sk}
+                    "train-curves": tc, "eval-drafter": ev, "dashboards": dash, "plot-panel": pp, "loadtest": lt, "lockstep": lk, "soak": sk}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -467,6 +495,20 @@ def cmd_train(args):
     print(f"held-out tau {result.get('tau', float('nan')):.3f} after {result['step']} steps; drafter in {out / 'drafter'}")
 
 
+def cmd_train_curves(args):
+    from engine import train_curves
+
+    parser = build_parser()[1]["train-curves"]
+    try:
+        runs = train_curves.read_runs(args.runs)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        print(train_curves.run(runs, Path(args.out), args.points, args.project, args.fit_from))
+    except ValueError as e:  # too few evaluations to fit
+        parser.error(f"--project: {e}")
+
+
 def cmd_eval_drafter(args):
     import json
 
@@ -495,10 +537,22 @@ def cmd_dashboards(args):
         sys.exit(1)
 
 
+def cmd_plot_panel(args):
+    from deployments import dashboards
+
+    dashboards.plot(args)
+
+
 def cmd_loadtest(args):
     from loadtest import run
 
     run_checked("loadtest", run, run.LoadTestConfig, args)
+
+
+def cmd_lockstep(args):
+    from loadtest import lockstep
+
+    run_checked("lockstep", lockstep, lockstep.LockstepConfig, args)
 
 
 def cmd_soak(args):
@@ -509,8 +563,9 @@ def cmd_soak(args):
 
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
-    "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards, "loadtest": cmd_loadtest,
-    "soak": cmd_soak, "eval-drafter": cmd_eval_drafter,
+    "datagen": cmd_datagen, "train": cmd_train, "train-curves": cmd_train_curves, "eval-drafter": cmd_eval_drafter,
+    "dashboards": cmd_dashboards, "plot-panel": cmd_plot_panel, "loadtest": cmd_loadtest, "lockstep": cmd_lockstep,
+    "soak": cmd_soak,
 }
 
 

@@ -473,7 +473,7 @@ class Engine:
         temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=device)
         top_k = torch.tensor([r.params.top_k for r in requests], device=device)
         if all(r.params.top_k <= 0 and r.params.top_p >= 1 for r in requests):
-            # nothing to cut away: a plain softmax (sampling_probs' sort costs ~2 ms per position on a CPU)
+            # nothing to cut away: a plain softmax (sampling_probs' sort is dear on a CPU)
             return (logits.float() / temperature.view(-1, *[1] * (logits.dim() - 1))).softmax(-1)
         top_p = torch.tensor([float(r.params.top_p) for r in requests], device=device)
         return sampling_probs(logits, temperature, top_k, top_p)

@@ -79,3 +79,16 @@ def test_every_engine_field_is_a_serve_flag_with_its_default():
     args = cli.build_parser()[0].parse_args(["serve", "--backlog-call-positions", "none", "--no-full-draft-head",
                                              "--int8-drafter", "--denoising-steps", "2"])
     assert cli.engine_config(args) == EngineConfig(backlog_call_positions=None, int8_drafter=True, denoising_steps=2)
+
+
+def test_the_readme_configuration_table_lists_every_field_and_real_flags():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Configuration"):readme.index("## Results")]
+    rows = [line.split("|")[1:3] for line in table.splitlines() if line.startswith("| ")][1:]
+    names = {n for cell, _ in rows for n in re.findall(r"`([\w.]+)`", cell)}
+    flags = {f for _, cell in rows for f in re.findall(r"`(--[\w-]+)`", cell)}
+    assert names == {f"engine.{f.name}" for f in fields(EngineConfig)} | (set(AppConfig.model_fields) - {"engine"})
+    serve_flags = {a for action in cli.build_parser()[1]["serve"]._actions for a in action.option_strings}
+    assert flags and flags <= serve_flags, flags - serve_flags

@@ -19,7 +19,8 @@ from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 from deployments.shards import ShardedTarget, layer_ranges
-from engine.engine import Engine, SamplingParams
+from engine.config import EngineConfig, build_engine, load_models
+from engine.engine import SamplingParams
 from engine.model import load_target
 from engine.prompts import DEFAULT_PROMPTS
 from test_disaggregated import chat_text, reference, wait_for_no_state  # noqa: F401 (reference: a fixture)
@@ -71,10 +72,8 @@ def test_one_layer_shards_chain_to_the_whole_model(arch, tmp_path):
 
 @pytest.fixture(scope="module")
 def models():
-    from engine.loading import load
-
     torch.set_num_threads(1)  # as in each shard: the same kernels, so the same bits
-    return load(None, "default", "auto")
+    return load_models(EngineConfig())
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def sharded(serve_cluster, models):
 
 
 def engine_outputs(target, models, prompts, params):
-    engine = Engine(target, models.drafter, max_slots=len(prompts))
+    engine = build_engine(EngineConfig(policy="fixed", max_slots=len(prompts)), models, target=target)
     done = engine.generate_batch(prompts, params)
     assert engine.target_cache.num_used == 0
     return [r.output_ids for r in done], engine.stats
