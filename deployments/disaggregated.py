@@ -34,6 +34,7 @@ from deployments.records import Chunk, Drafted, DraftStart, Lost, Prefilled, Rep
 from deployments.shards import ShardedTarget, check_shards, start_shards
 from engine.config import build_engine, load_models
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
+from engine.model import TargetHead
 
 logger = logging.getLogger("ray.serve")
 
@@ -301,8 +302,6 @@ def build_drafter(config: AppConfig) -> tuple[Engine, ReplicaInfo]:
     """The drafter and the target's embedding and LM head; the rest of the target is loaded, then
     dropped. The block policy is the drafter's: an adaptive one is profiled on the whole target
     here before it is dropped (a colocated step's cost: the hops to the verifier are not in it)."""
-    from engine.model import TargetHead
-
     loaded = load_models(config.engine)
     engine = build_engine(config.engine, loaded, target=TargetHead(loaded.target), cost_table_tag=cost_table_tag(config))
     return engine, replica_info(config, loaded, engine)

@@ -24,6 +24,7 @@ from deployments.shards import check_shards, start_shards
 from engine.config import build_engine, load_models
 from engine.engine import Engine, Request, SamplingParams
 from engine.loading import Loaded
+from engine.model import TargetHead
 from engine.runtime import cap_matmul_caches
 
 logger = logging.getLogger("ray.serve")
@@ -101,8 +102,6 @@ def replica_info(config: AppConfig, loaded: Loaded, engine: Engine) -> ReplicaIn
 def build_colocated(config: AppConfig) -> tuple[Engine, ReplicaInfo]:
     """The engine with drafter and target in this process (the target's layers in shard actors when
     num_shards > 1: the drafter still needs its embedding and LM head here)."""
-    from engine.model import TargetHead
-
     loaded = load_models(config.engine)
     target = None
     if config.num_shards > 1:

@@ -20,9 +20,9 @@ from engine.policy import AdaptiveBlockPolicy, BlockPolicy, FixedBlockPolicy
 DRAFTS = ("default", "random", "none")
 
 
-def knob(default, help: str, minimum: int | None = None):
-    """A field with the help text its command-line flag and its pydantic description show."""
-    return field(default=default, metadata={"help": help, "minimum": minimum})
+def knob(default, text: str, minimum: int | None = None):
+    """A field with the help text its command-line flag shows, and its least value."""
+    return field(default=default, metadata={"help": text, "minimum": minimum})
 
 
 def choices_of(hint) -> tuple:
@@ -117,6 +117,7 @@ def build_engine(config: EngineConfig, loaded: Loaded | None = None, *, target=N
 
 
 def block_policy(config: EngineConfig, loaded: Loaded, target, drafter, tag: str = "") -> BlockPolicy:
+    """The configured policy; an adaptive one is profiled on `target` and `drafter` (or read from the cache)."""
     max_block = config.max_block_size(drafter)
     if config.policy == "fixed" or drafter is None:
         return FixedBlockPolicy(max_block)
