@@ -20,7 +20,7 @@ Definitions (per request, then p50/p90/p99 over the level's requests):
   tok/s output tokens of the level / wall time of the level (aggregate over clients).
   MAL   mean acceptance length = 1 + accepted / drafts, summed over the level's requests
         (from usage.spec_decoding); "-" without speculation.
-Ray and HTTP imports are inside functions: engine.cli imports this module only when it runs.
+Ray and HTTP imports are inside functions: `dflash-serve bench-serve --help` needs neither.
 """
 
 import asyncio
@@ -29,13 +29,14 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from deployments.config import AppConfig
+from engine.config import EngineConfig
 from engine.prompts import DEFAULT_PROMPTS, chat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,13 +62,8 @@ class ServeBenchConfig:
     seed: int = 0
     variants: list[str] = field(default_factory=lambda: ["server", "server-nospec", "in-process"])
     num_prompts: int | None = None  # the first N built-in prompts; requests cycle through them
-    target: str | None = None
-    draft: str = "default"
-    dtype: str = "auto"
-    device: str = "cpu"
-    policy: str = "fixed"
-    block_size: int | None = None
-    max_slots: int | None = None  # per replica; None: the largest concurrency level
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_slots: int | None = None  # per replica (replaces the engine's); None: the largest concurrency level
     num_cpus: float = 1.0  # per engine replica; torch threads = round(num_cpus), also in-process
     url: str | None = None  # attach to this running server instead of deploying one
     request_timeout_s: float = 600.0
@@ -81,13 +77,12 @@ class ServeBenchConfig:
     def app_config(self, variant: str) -> AppConfig:
         """The server application a variant deploys (speculation off: the same app with draft='none';
         server-disagg: topology 'disaggregated', the drafter replica sized like the verifier)."""
-        gpus = 1 if self.device.startswith("cuda") else 0
+        gpus = 1 if self.engine.device.startswith("cuda") else 0
+        draft = "none" if variant == "server-nospec" else self.engine.draft
         return AppConfig(
-            target=self.target, draft="none" if variant == "server-nospec" else self.draft, dtype=self.dtype,
-            device=self.device, policy=self.policy, block_size=self.block_size,
-            max_slots=self.max_slots or max(self.concurrency), num_cpus=self.num_cpus, num_gpus=gpus,
-            **({"topology": "disaggregated", "drafter_num_cpus": self.num_cpus, "drafter_num_gpus": gpus}
-               if variant == "server-disagg" else {}))
+            engine=replace(self.engine, draft=draft, max_slots=self.max_slots or max(self.concurrency)), num_cpus=self.num_cpus,
+            num_gpus=gpus, **({"topology": "disaggregated", "drafter_num_cpus": self.num_cpus, "drafter_num_gpus": gpus}
+                              if variant == "server-disagg" else {}))
 
     def reserved_cpus(self, variant: str) -> float:
         return self.num_cpus * (2 if variant == "server-disagg" else 1)
@@ -104,7 +99,7 @@ def check_config(cfg: ServeBenchConfig) -> str | None:
     unknown = [v for v in cfg.variants if v not in VARIANTS]
     if unknown or not cfg.variants:
         return f"--variants: unknown or none: {', '.join(unknown) or '(empty)'}; choose from {', '.join(VARIANTS)}"
-    if cfg.draft == "none" and "server-nospec" in cfg.variants:
+    if cfg.engine.draft == "none" and "server-nospec" in cfg.variants:
         return "--draft none: the server is already without speculation; drop server-nospec from --variants"
     if cfg.num_prompts is not None and not 1 <= cfg.num_prompts <= len(DEFAULT_PROMPTS):
         return f"--num-prompts must be in 1..{len(DEFAULT_PROMPTS)}, got {cfg.num_prompts}"
@@ -293,25 +288,13 @@ class InProcessVariant:
     name = "in-process"
 
     def __init__(self, cfg: ServeBenchConfig):
-        from deployments.engine_replica import cost_model_path, resolve_target
-        from engine.loading import load, stop_token_ids
-        from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
+        from engine.config import load_models
 
         self.cfg, self.config = cfg, cfg.app_config("server")
         self.threads = self.config.torch_threads
         with torch_threads(self.threads):
-            self.loaded = load(str(resolve_target(self.config.target)), self.config.draft, self.config.dtype,
-                               self.config.device)
-            drafter = self.loaded.drafter
-            self.max_block = 1 if drafter is None else self.config.block_size or drafter.config.block_size
-            if self.config.policy == "adaptive" and drafter is not None:  # the replicas' profiled table
-                path = cost_model_path(self.config, self.loaded, self.max_block)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.policy = AdaptiveBlockPolicy.profile(self.loaded.target, drafter, max_block_size=self.max_block,
-                                                          max_batch_size=self.config.max_slots, path=path)
-            else:
-                self.policy = FixedBlockPolicy(self.max_block)
-        self.stops = stop_token_ids(self.loaded.target_path)
+            self.loaded = load_models(self.config.engine)
+        self.max_block = self.config.engine.max_block_size(self.loaded.drafter)
         self.tokenizer = self.loaded.tokenizer
 
     def params(self, index: int, max_tokens: int):
@@ -322,11 +305,10 @@ class InProcessVariant:
                               seed=c.seed + index, block_size=self.max_block)
 
     def run_level(self, prompts, concurrency: int, bar) -> dict:
-        from engine.engine import Engine
+        from engine.config import build_engine
 
         with torch_threads(self.threads):
-            engine = Engine(self.loaded.target, self.loaded.drafter, max_slots=concurrency,
-                            max_len=self.config.max_len, policy=self.policy, stop_token_ids=self.stops)
+            engine = build_engine(replace(self.config.engine, max_slots=concurrency), self.loaded)
             warm = WARMUP_PROMPT.token_ids(self.tokenizer)
             engine.generate_batch([warm] * concurrency, [self.params(i, WARMUP_TOKENS) for i in range(concurrency)])
             n = self.cfg.num_requests
@@ -626,7 +608,7 @@ def run(cfg: ServeBenchConfig, cluster_url: str | None = None) -> dict:
         else:
             first = next(iter(info.values()), {})
             config.update(target_path=str(first.get("model")), drafter=first.get("drafter"),
-                          dtype_resolved=cfg.dtype, block_size_resolved=first.get("max_block_size"))
+                          dtype_resolved=cfg.engine.dtype, block_size_resolved=first.get("max_block_size"))
         report = {"config": config, "results": results, "key_ratios": key_ratios(results, cfg.concurrency)}
     finally:
         if deployed:

@@ -1,20 +1,24 @@
 """The server's configuration: one pydantic model at the Ray boundary (builder args, YAML, CLI).
 
-It owns defaults and up-front validation of what the user asked for; it knows nothing about
-models or HTTP. Everything that can be checked without loading a model fails here, by name.
+It owns the deployment's defaults (replicas, resources, topology, limits) and embeds the engine's
+(EngineConfig); it knows nothing about models or HTTP. Everything that can be checked without
+loading a model fails here, by name.
 """
 
+import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from engine.config import EngineConfig
+
 
 API_KEYS_ENV = "DFLASH_API_KEYS"  # a comma list of API keys, in addition to AppConfig.api_keys
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 DICT_FIELDS = (  # the fields `serve run ... key=value` may pass as a JSON object
-    "autoscaling_config", "drafter_autoscaling_config", "resources", "drafter_resources", "shard_resources")
+    "engine", "autoscaling_config", "drafter_autoscaling_config", "resources", "drafter_resources", "shard_resources")
 MIN_RESOURCE_AMOUNT = 0.0001  # the smallest amount of a resource Ray schedules by
 
 
@@ -27,25 +31,14 @@ def env_api_keys() -> list[str]:
 class AppConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: str | None = Field(
-        None, description="Target checkpoint folder (Hugging Face layout); None or 'default': SmolLM2-135M-Instruct.")
-    draft: str = Field(
-        "default", description="Drafter: 'default' (the shipped one, else random), 'random', 'none' (plain "
-        "autoregressive decoding) or a z-lab-format checkpoint folder.")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="Weights and activations; 'auto' is bf16 on CUDA and on CPUs with native bf16, else float32.")
-    device: str = Field("cpu", description="'cpu' or 'cuda[:N]' for every engine replica.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="The engine every replica runs (engine/config.py): models, "
+        "dtype, device, block policy, slots, context length. Its fields may also be given at the top level "
+        "(as `serve run ... key=value` passes them).")
     topology: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="'colocated': drafter and target in one replica process. 'disaggregated': a "
         "router, drafter replicas and verifier replicas (the target) as separate deployments that scale apart; "
         "num_cpus/num_gpus/num_replicas/autoscaling_config then size the verifier replicas, drafter_* the drafters.")
-    policy: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="Block-size policy: 'fixed' verifies block_size positions every step; 'adaptive' "
-        "profiles a cost model at start-up and picks the block that maximises committed tokens per second.")
-    block_size: int | None = Field(
-        None, ge=1, description="Largest block verified per step (default: the drafter's trained block size).")
-    max_slots: int = Field(8, ge=1, description="Requests decoded together in one replica (KV-cache slots).")
-    max_len: int = Field(2048, ge=2, description="Context length per request: prompt + generated tokens.")
     num_cpus: float = Field(
         1, gt=0, description="CPUs reserved per engine replica; torch uses this many threads in it.")
     num_gpus: float = Field(0, ge=0, description="GPUs reserved per engine replica (set with device='cuda').")
@@ -100,7 +93,8 @@ class AppConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _from_cli(cls, data):
-        """`serve run ... key=value` passes strings: 'None'/'null' mean None, a dict may be JSON."""
+        """`serve run ... key=value` passes strings: 'None'/'null' mean None, a dict may be JSON; the
+        engine's fields may come at the top level."""
         if not isinstance(data, dict):
             return data
         data = {k: None if isinstance(v, str) and v in ("None", "none", "null") and k != "draft" else v
@@ -113,30 +107,15 @@ class AppConfig(BaseModel):
                     data[name] = json.loads(data[name])
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{name}: not a JSON object: {e}") from None
+        flat = {k: data.pop(k) for k in ENGINE_FIELDS if k in data}
+        if flat:
+            engine = data.get("engine") or {}
+            engine = dataclasses.asdict(engine) if isinstance(engine, EngineConfig) else dict(engine)
+            both = sorted(set(flat) & set(engine))
+            if both:
+                raise ValueError(f"{', '.join(both)}: given both at the top level and in engine")
+            data["engine"] = {**engine, **flat}
         return data
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v):
-        if not (v == "cpu" or v == "cuda" or (v.startswith("cuda:") and v[5:].isdigit())):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {v!r}")
-        return v
-
-    @field_validator("target")
-    @classmethod
-    def _target(cls, v):
-        if v in (None, "default", ""):
-            return None
-        if not (Path(v) / "config.json").is_file():
-            raise ValueError(f"target {v!r}: no model there (config.json missing)")
-        return v
-
-    @field_validator("draft")
-    @classmethod
-    def _draft(cls, v):
-        if v not in ("default", "random", "none") and not (Path(v) / "config.json").is_file():
-            raise ValueError(f"draft {v!r}: no drafter there (config.json missing); or use default, random, none")
-        return v
 
     @field_validator("api_keys")
     @classmethod
@@ -170,18 +149,19 @@ class AppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.device.startswith("cuda") and self.num_gpus == 0:
-            raise ValueError(f"device {self.device!r} needs num_gpus > 0 per replica")
-        if self.device.startswith("cuda") and self.num_shards > 1 and self.shard_num_gpus == 0:
-            raise ValueError(f"device {self.device!r} with num_shards {self.num_shards} needs shard_num_gpus > 0")
+        device = self.engine.device
+        if device.startswith("cuda") and self.num_gpus == 0:
+            raise ValueError(f"device {device!r} needs num_gpus > 0 per replica")
+        if device.startswith("cuda") and self.num_shards > 1 and self.shard_num_gpus == 0:
+            raise ValueError(f"device {device!r} with num_shards {self.num_shards} needs shard_num_gpus > 0")
         if self.topology == "disaggregated":
-            if self.draft == "none":
+            if self.engine.draft == "none":
                 raise ValueError("topology 'disaggregated' needs a drafter (draft='none' has nothing to disaggregate)")
         return self
 
     @property
     def replica_max_ongoing_requests(self) -> int:
-        return self.max_ongoing_requests or 2 * self.max_slots
+        return self.max_ongoing_requests or 2 * self.engine.max_slots
 
     @property
     def torch_threads(self) -> int:

@@ -1,6 +1,7 @@
 """`dflash-serve dashboards`: the Grafana dashboard of the server's metrics, built with Grafana's
 foundation SDK (grafana-foundation-sdk); written as JSON files (also into Ray's Grafana provisioning
 folder when a Ray session has one) and pushed to a Grafana server with grafana-client.
+`dflash-serve plot-panel`: one of its panels drawn from Prometheus as a PNG (what Grafana would show).
 
 It owns the panels and their PromQL. The metric names are deployments/metrics.py's as Ray exports
 them (`ray_` prefix, `_total` on counters); this module never imports ray.
@@ -9,6 +10,8 @@ them (`ray_` prefix, `_total` on counters); this module never imports ray.
 import argparse
 import json
 import os
+import re
+import time
 from pathlib import Path
 
 UID = "dflash-serve"
@@ -173,3 +176,73 @@ def run(args):
         print(f"wrote {write(board, folder)}")
     if args.grafana_url:
         print(f"pushed {push(board, args.grafana_url, args.grafana_token)}")
+
+
+# ---- a panel drawn from Prometheus ----------------------------------------------------------------
+
+
+def fill(expr: str, variables: dict[str, str]) -> str:
+    """A panel query with Grafana's variables ($model, $application, $__rate_interval) replaced."""
+    return re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), expr)
+
+
+def query_range(prometheus: str, expr: str, start: float, end: float, step_s: float) -> list[dict]:
+    import httpx
+
+    r = httpx.get(f"{prometheus}/api/v1/query_range",
+                  params={"query": expr, "start": start, "end": end, "step": step_s}, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"]["result"]
+
+
+def legend(template: str, labels: dict) -> str:
+    return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), template)
+
+
+def plot_panel(prometheus: str, title: str, out: Path, variables: dict[str, str], start: float, end: float,
+               step_s: float = 5) -> int:
+    """Draw the panel `title`, every query of it range-queried from `start` to `end`, into `out`; returns
+    the number of series drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panel = next((p for p in build_dashboard()["panels"] if p["title"] == title), None)
+    if panel is None:
+        raise ValueError(f"no panel titled {title!r} in the dashboard")
+    fig = Figure(figsize=(8, 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    num_series = 0
+    for target in panel["targets"]:
+        for series in query_range(prometheus, fill(target["expr"], variables), start, end, step_s):
+            points = [(float(t) - start, float(v)) for t, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=legend(target.get("legendFormat", ""), series["metric"]))
+                num_series += 1
+    ax.set_title(f"{title} (Prometheus, {variables.get('__rate_interval', '')} rate window)")
+    ax.set_xlabel("seconds since the start of the run")
+    ax.set_ylabel(panel["fieldConfig"]["defaults"].get("unit", ""))
+    ax.grid(alpha=0.3)
+    if num_series:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    return num_series
+
+
+def add_plot_arguments(parser: argparse.ArgumentParser):
+    parser.add_argument("--prometheus", default="http://127.0.0.1:9090")
+    parser.add_argument("--panel", default="Mean acceptance length", help="the panel's title in the dashboard")
+    parser.add_argument("--out", required=True, metavar="PATH.png")
+    parser.add_argument("--minutes", type=float, default=10, help="plot the last N minutes")
+    parser.add_argument("--model", default=".*", help="regex for the model label")
+    parser.add_argument("--application", default=".*", help="regex for the Serve application label")
+    parser.add_argument("--rate-window", default="1m", help="what $__rate_interval stands for")
+
+
+def plot(args):
+    end = time.time()
+    variables = {"model": args.model, "application": args.application, "__rate_interval": args.rate_window}
+    n = plot_panel(args.prometheus, args.panel, Path(args.out), variables, end - 60 * args.minutes, end)
+    print(f"wrote {args.out} ({n} series)")

@@ -2,13 +2,14 @@
 (the drafter plus the target's embedding and LM head) and verifier replicas (the target).
 
 Replica state (KV slots and mirror Requests) is a cache of the router's truth: a replica that lacks
-a request's state answers {"missing": True}, and the router rebuilds it by re-prefilling from the
-committed tokens (and the saved states of the seeded random streams), so the output is unchanged.
+a request's state answers Lost, and the router rebuilds it by re-prefilling from the committed
+tokens (and the saved states of the seeded random streams), so the output is unchanged.
 A replica (or a target shard under it) that dies under a call is lost state too: the router retries
 with growing pauses until Serve routes to a healthy replica, for at most REPLICA_RECOVERY_S.
-Both replicas run the colocated topology's engine code: Engine.draft, Engine.verify (with
-Engine._accept) and Engine._commit on mirror Requests. Sticky routing is Serve model multiplexing
-keyed by request id; its LRU eviction also frees abandoned state. Nothing here knows HTTP or text.
+Both replicas run the colocated topology's engine code through its public methods (Engine.draft,
+trim, verify, commit) on mirror Requests; they exchange the records of deployments/records.py.
+Sticky routing is Serve model multiplexing keyed by request id; its LRU eviction also frees
+abandoned state. Nothing here knows HTTP or text.
 """
 
 import asyncio
@@ -27,10 +28,13 @@ from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import AppConfig
-from deployments.engine_replica import EngineRequestError, block_policy, resolve_target, sampling_params, start_engine
+from deployments.engine_replica import EngineRequestError, cost_table_tag, replica_info, sampling_params, start_engine
 from deployments.metrics import active_requests_gauge
+from deployments.records import Chunk, Drafted, DraftStart, Lost, Prefilled, ReplicaInfo, RequestParams, Verified
 from deployments.shards import ShardedTarget, check_shards, start_shards
+from engine.config import build_engine, load_models
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
+from engine.model import TargetHead
 
 logger = logging.getLogger("ray.serve")
 
@@ -153,8 +157,8 @@ class _MirrorReplica:
 
         return await self._on_engine(read)
 
-    async def info(self) -> dict:
-        return dict(self._info)
+    async def info(self) -> ReplicaInfo:
+        return self._info
 
     async def stats(self) -> dict:
         return {**self.counters, **await self.slots()}
@@ -189,34 +193,19 @@ def _rng_state(r: Request, name: str) -> torch.Tensor | None:
     return None if generator is None else generator.get_state()
 
 
-def _load(config: AppConfig):
-    from engine.loading import load
-
-    return load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
-
-
 # ---- verifier -----------------------------------------------------------------------------
 
 
-def build_verifier(config: AppConfig) -> tuple[Engine, dict]:
+def build_verifier(config: AppConfig) -> tuple[Engine, ReplicaInfo]:
     """The target and its KV cache (with num_shards > 1: in shard actors, and only the slot bookkeeping
     here); the drafter is loaded only to learn which features it reads."""
-    from engine.loading import stop_token_ids
-
-    loaded = _load(config)
-    drafter = loaded.drafter
-    target = loaded.target if config.num_shards == 1 else start_shards(config, loaded.dtype)
-    engine = Engine(target, None, max_slots=config.max_slots, max_len=config.max_len,
-                    stop_token_ids=stop_token_ids(loaded.target_path),
-                    feature_layers=tuple(drafter.config.target_layer_ids))
-    info = {
-        "model": config.model_name, "target": str(loaded.target_path), "drafter": loaded.drafter_name,
-        "dtype": str(loaded.dtype).removeprefix("torch."), "device": config.device, "policy": config.policy,
-        "max_block_size": config.block_size or drafter.config.block_size, "max_slots": engine.target_cache.num_slots,
-        "max_len": engine.max_len, "torch_threads": torch.get_num_threads(), "topology": "disaggregated",
-        "stop_token_ids": list(engine.stop_token_ids), "num_shards": config.num_shards,
-    }
-    return engine, info
+    loaded = load_models(config.engine)
+    if config.num_shards > 1:
+        target, loaded.target = start_shards(config, loaded.dtype), None
+    else:
+        target = loaded.target
+    engine = build_engine(config.engine, loaded, target=target, drafts=False)
+    return engine, replica_info(config, loaded, engine)
 
 
 @serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S)
@@ -228,14 +217,13 @@ class VerifierReplica(_MirrorReplica):
         self._verify_batch.set_max_batch_size(self.num_slots)
         self._verify_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
 
-    async def prefill(self, request_id: str, prompt_ids: list[int], output_ids: list[int], params: dict | SamplingParams,
-                      verify_rng: torch.Tensor | None) -> dict:
+    async def prefill(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
+                      params: RequestParams | SamplingParams, verify_rng: torch.Tensor | None) -> Prefilled | Lost:
         """Build the request's state from the router's truth. With no output yet: validate the request
         (raises EngineRequestError) and sample the first token. Otherwise rebuild the cache for the
-        committed tokens and restore the verify generator; no token is sampled. Returns the resolved
-        params, new token ids, the features of every cached position [num_cached, F] and the rng state."""
-        if not isinstance(params, SamplingParams):
-            params = sampling_params(self.engine, self._info["max_block_size"], prompt_ids, params)
+        committed tokens (`params` resolved then) and restore the verify generator; no token is sampled."""
+        if isinstance(params, RequestParams):
+            params = sampling_params(self.engine, self._info.max_block_size, prompt_ids, params)
         held = await self._hold(request_id)
         return await self._on_engine(self._prefill, held, prompt_ids, output_ids, params, verify_rng)
 
@@ -245,7 +233,7 @@ class VerifierReplica(_MirrorReplica):
         mirror_params = replace(params, max_tokens=params.max_tokens - max(len(output_ids) - 1, 0))
         r = self._admit(held, prompt_ids + output_ids[:-1], mirror_params)
         if r is None:
-            return {"missing": True}
+            return Lost()
         rebuild = bool(output_ids)
         generator = r.verify_generator
         if rebuild:
@@ -258,30 +246,28 @@ class VerifierReplica(_MirrorReplica):
             r.verify_generator = generator
         features, r.pending_features = r.pending_features, None
         self._record_load()
-        return {"params": params, "token_ids": [] if rebuild else first, "features": features.clone(),
-                "verify_rng": _rng_state(r, "verify_generator")}
+        return Prefilled(params, [] if rebuild else first, features.clone(), _rng_state(r, "verify_generator"))
 
     async def shard_actors(self) -> list:
         """This replica's TargetShard actors (none when the target runs in this process), for fault tests."""
         target = self.engine.target
         return list(target.shards) if isinstance(target, ShardedTarget) else []
 
-    async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None) -> dict:
-        """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests):
-        {num_accepted, token_ids (accepted + bonus), features [num_accepted + 1, F], verify_rng}."""
+    async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None) -> Verified | Lost:
+        """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests)."""
         held = await self._hold(request_id)
         return await self._verify_batch(held, block_ids, draft_probs)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
-    async def _verify_batch(self, helds: list, blocks: list, probs: list) -> list[dict]:
+    async def _verify_batch(self, helds: list, blocks: list, probs: list) -> list[Verified | Lost]:
         return await self._on_engine(self._verify, helds, blocks, probs)
 
     @torch.inference_mode()
-    def _verify(self, helds, blocks, probs) -> list[dict]:
+    def _verify(self, helds, blocks, probs) -> list[Verified | Lost]:
         self._free_evicted()
         mirrors = [self._live(h) for h in helds]
         rows = [i for i, r in enumerate(mirrors) if r is not None]
-        results = [{"missing": True}] * len(helds)
+        results = [Lost()] * len(helds)
         if not rows:
             return results
         requests = [mirrors[i] for i in rows]
@@ -301,10 +287,10 @@ class VerifierReplica(_MirrorReplica):
         draft = DraftBlock(block_ids.to(self.engine.device), draft_probs, block_sizes)
         num_accepted, next_ids, features = self.engine.verify(requests, draft)
         for j, (i, r) in enumerate(zip(rows, requests)):
-            self.engine._commit(r, num_accepted[j] + 1, features[j])
+            self.engine.commit(r, num_accepted[j] + 1, features[j])
             new_features, r.pending_features = r.pending_features, None
-            results[i] = {"num_accepted": num_accepted[j], "token_ids": next_ids[j][: num_accepted[j] + 1],
-                          "features": new_features.clone(), "verify_rng": _rng_state(r, "verify_generator")}
+            results[i] = Verified(num_accepted[j], next_ids[j][: num_accepted[j] + 1], new_features.clone(),
+                                  _rng_state(r, "verify_generator"))
         self._record_load()
         return results
 
@@ -312,21 +298,13 @@ class VerifierReplica(_MirrorReplica):
 # ---- drafter ------------------------------------------------------------------------------
 
 
-def build_drafter(config: AppConfig) -> tuple[Engine, dict]:
+def build_drafter(config: AppConfig) -> tuple[Engine, ReplicaInfo]:
     """The drafter and the target's embedding and LM head; the rest of the target is loaded, then
     dropped. The block policy is the drafter's: an adaptive one is profiled on the whole target
     here before it is dropped (a colocated step's cost: the hops to the verifier are not in it)."""
-    from engine.model import TargetHead
-
-    loaded = _load(config)
-    max_block = config.block_size or loaded.drafter.config.block_size
-    policy = block_policy(config, loaded, loaded.target, max_block)
-    engine = Engine(TargetHead(loaded.target), loaded.drafter, max_slots=config.max_slots, max_len=config.max_len,
-                    policy=policy)
-    info = {"drafter": loaded.drafter_name, "dtype": str(loaded.dtype).removeprefix("torch."), "policy": config.policy,
-            "max_block_size": max_block, "max_slots": engine.target_cache.num_slots,
-            "torch_threads": torch.get_num_threads()}
-    return engine, info
+    loaded = load_models(config.engine)
+    engine = build_engine(config.engine, loaded, target=TargetHead(loaded.target), cost_table_tag=cost_table_tag(config))
+    return engine, replica_info(config, loaded, engine)
 
 
 @serve.deployment(health_check_period_s=HEALTH_CHECK_PERIOD_S)
@@ -339,11 +317,10 @@ class DrafterReplica(_MirrorReplica):
         self._draft_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
 
     async def draft(self, request_id: str, new_token_ids: list[int], features: torch.Tensor,
-                    start: dict | None = None) -> dict:
+                    start: DraftStart | None = None) -> Drafted | Lost:
         """Take the tokens committed since the last call and their target features [len, F], and draft
-        the next block: {block_ids (last token + drafts), draft_probs [b - 1, vocab] or None, draft_rng}.
-        `start` {prompt_ids, params, draft_rng} (re)creates the state; new_token_ids then are all of
-        the output and features cover every position from 0."""
+        the next block. `start` (re)creates the state; new_token_ids then are all of the output and
+        features cover every position from 0."""
         held = await self._hold(request_id)
         return await self._draft_batch(held, new_token_ids, features, start)
 
@@ -352,23 +329,23 @@ class DrafterReplica(_MirrorReplica):
         return {**await super().stats(), "spec_decoding": await self._on_engine(self.engine.stats.to_dict)}
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
-    async def _draft_batch(self, helds: list, new_ids: list, features: list, starts: list) -> list[dict]:
+    async def _draft_batch(self, helds: list, new_ids: list, features: list, starts: list) -> list[Drafted | Lost]:
         return await self._on_engine(self._draft, helds, new_ids, features, starts)
 
     @torch.inference_mode()
-    def _draft(self, helds, new_ids, features, starts) -> list[dict]:
+    def _draft(self, helds, new_ids, features, starts) -> list[Drafted | Lost]:
         self._free_evicted()
         mirrors = []
         for held, start in zip(helds, starts):
             if start is not None:
-                r = self._admit(held, start["prompt_ids"], start["params"])
-                if r is not None and r.draft_generator is not None and start["draft_rng"] is not None:
-                    r.draft_generator.set_state(start["draft_rng"])
+                r = self._admit(held, start.prompt_ids, start.params)
+                if r is not None and r.draft_generator is not None and start.draft_rng is not None:
+                    r.draft_generator.set_state(start.draft_rng)
                 mirrors.append(r)
             else:
                 mirrors.append(self._live(held))
         rows = [i for i, r in enumerate(mirrors) if r is not None]
-        results = [{"missing": True}] * len(helds)
+        results = [Lost()] * len(helds)
         if not rows:
             return results
         requests = [mirrors[i] for i in rows]
@@ -379,8 +356,8 @@ class DrafterReplica(_MirrorReplica):
             self.engine.observe([r for _, r in answered], last, list(verified_sizes), [len(new_ids[i]) - 1 for i, _ in answered])
         for i, r in zip(rows, requests):
             r.output_ids += new_ids[i]
-            self.engine._commit(r, features[i].shape[0], features[i].to(self.engine.device))
-        block_sizes = self.engine.policy.choose(requests, [self.engine._block_cap(r) for r in requests])
+            self.engine.commit(r, features[i].shape[0], features[i].to(self.engine.device))
+        block_sizes = self.engine.policy.choose(requests, [self.engine.block_cap(r) for r in requests])
         drafted = self.engine.draft(requests, block_sizes)
         draft = self.engine.trim(requests, drafted)
         for j, (i, r) in enumerate(zip(rows, requests)):
@@ -390,8 +367,7 @@ class DrafterReplica(_MirrorReplica):
             probs = None
             if draft.draft_probs is not None and r.params.temperature > 0:
                 probs = draft.draft_probs[j, : b - 1].float().cpu().clone()
-            results[i] = {"block_ids": draft.block_ids[j, :b].tolist(), "draft_probs": probs,
-                          "draft_rng": _rng_state(r, "draft_generator")}
+            results[i] = Drafted(draft.block_ids[j, :b].tolist(), probs, _rng_state(r, "draft_generator"))
         self._record_load()
         return results
 
@@ -417,19 +393,18 @@ class _Recovery:
     def __init__(self):
         self.num_rebuilds, self.num_failures, self.deadline, self.first_failure = 0, 0, None, None
 
-    async def before_retry(self, lost: dict):
-        """Before the next try after `lost` ({missing, role} and, when a replica died, died: why); raises
-        when out of tries or time."""
-        if "died" not in lost:
+    async def before_retry(self, lost: Lost):
+        """Before the next try after `lost`; raises when out of tries or time."""
+        if lost.died is None:
             self.num_rebuilds += 1
             if self.num_rebuilds > MAX_REBUILDS_PER_STEP:
-                raise RuntimeError(f"the {lost['role']} kept losing this request's state")
+                raise RuntimeError(f"the {lost.role} kept losing this request's state")
             return
         if self.deadline is None:
             self.deadline, self.first_failure = time.monotonic() + REPLICA_RECOVERY_S, lost
         if time.monotonic() >= self.deadline:
             first = self.first_failure
-            raise EngineRequestError(f"a {first['role']} replica failed under this request ({first['died']}) and no "
+            raise EngineRequestError(f"a {first.role} replica failed under this request ({first.died}) and no "
                                      f"healthy one answered within {REPLICA_RECOVERY_S} s; retry later", 503)
         first, longest = RETRY_BACKOFF_S
         await asyncio.sleep(min(first * 2 ** self.num_failures, longest))
@@ -448,9 +423,9 @@ class Router:
         self.config = AppConfig.model_validate(config)
         num_verifiers = (self.config.autoscaling_config or {}).get("max_replicas", self.config.num_replicas)
         # requests decoding at once; more would evict each other's state in the replicas' LRUs
-        self._admission = asyncio.Semaphore(self.config.max_slots * num_verifiers)
+        self._admission = asyncio.Semaphore(self.config.engine.max_slots * num_verifiers)
         self._num_waiting = 0  # requests waiting for admission; at most max_queued_requests (unless -1)
-        self._info: dict | None = None
+        self._info: ReplicaInfo | None = None
         self._frees: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("num_requests", "num_finished", "num_cancelled", "num_failed",
                                        "num_rebuilds", "num_replica_failures", "num_generated_tokens"), 0)
@@ -458,9 +433,9 @@ class Router:
         self._num_active = 0
         self._active_gauge = active_requests_gauge(self.config.model_name, self.config.topology)
 
-    async def generate(self, prompt_ids: list[int], params: dict):
-        """Stream one request: dicts {token_ids, finish_reason, stats}. Closing the stream stops the
-        request and frees its state in both replicas."""
+    async def generate(self, prompt_ids: list[int], params: RequestParams):
+        """Stream one request as Chunks. Closing the stream stops the request and frees its state in both
+        replicas."""
         info = await self.info()
         request_id = uuid.uuid4().hex
         verifier = self.verifier.options(multiplexed_model_id=request_id)
@@ -475,33 +450,33 @@ class Router:
                 except EngineRequestError:  # a request the verifier rejects: the client's error, by its status
                     done = True
                     raise
-                r = Request(0, list(prompt_ids), out["params"])
-                stop_ids = info["stop_token_ids"]
-                r.append_output(out["token_ids"], stop_ids, speculative=False)
-                verify_rng, draft_rng = out["verify_rng"], None
-                new_ids, features = out["token_ids"], out["features"]
-                start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": None}
-                yield self._chunk(r, out["token_ids"])
+                r = Request(0, list(prompt_ids), out.params)
+                stop_ids = info.stop_token_ids
+                r.append_output(out.token_ids, stop_ids, speculative=False)
+                verify_rng, draft_rng = out.verify_rng, None
+                new_ids, features = out.token_ids, out.features
+                start = DraftStart(r.prompt_ids, r.params, None)
+                yield self._chunk(r, out.token_ids)
                 while not r.finished:
                     drafted = await self._call("drafter", drafter.draft, request_id, new_ids, features, start)
                     recovery = _Recovery()
-                    while drafted.get("missing"):
+                    while isinstance(drafted, Lost):
                         await recovery.before_retry(drafted)
                         drafted = await self._redraft(verifier, drafter, request_id, r, verify_rng, draft_rng,
                                                       recovery.deadline)
-                    start, draft_rng = None, drafted["draft_rng"]
-                    block_ids, draft_probs = drafted["block_ids"], drafted["draft_probs"]
+                    start, draft_rng = None, drafted.draft_rng
+                    block_ids, draft_probs = drafted.block_ids, drafted.draft_probs
                     verified = await self._call("verifier", verifier.verify, request_id, block_ids, draft_probs)
                     recovery = _Recovery()
-                    while verified.get("missing"):
+                    while isinstance(verified, Lost):
                         await recovery.before_retry(verified)
                         verified = await self._rebuild_verifier(verifier, request_id, r, verify_rng, recovery.deadline)
-                        if not verified.get("missing"):
+                        if not isinstance(verified, Lost):
                             verified = await self._call("verifier", verifier.verify, request_id, block_ids,
                                                         draft_probs, deadline=recovery.deadline)
-                    verify_rng = verified["verify_rng"]
-                    r.stats.observe_draft(len(block_ids) - 1, verified["num_accepted"])
-                    new_ids, features = verified["token_ids"], verified["features"]
+                    verify_rng = verified.verify_rng
+                    r.stats.observe_draft(len(block_ids) - 1, verified.num_accepted)
+                    new_ids, features = verified.token_ids, verified.features
                     yield self._chunk(r, r.append_output(new_ids, stop_ids))
                 done = True
                 self.counters["num_finished"] += 1
@@ -535,17 +510,17 @@ class Router:
         self._num_active += change
         self._active_gauge.set(self._num_active)
 
-    async def _call(self, role: str, method, *args, deadline: float | None = None) -> dict:
-        """One call to a drafter or verifier replica. A replica (or target shard) that died under it, or no
-        answer by `deadline` (time.monotonic()), is lost state: {missing: True, role, died: why}; so is a
-        replica's {missing: True} ({missing: True, role})."""
+    async def _call(self, role: str, method, *args, deadline: float | None = None):
+        """One call to a drafter or verifier replica: its answer, or Lost (with the role) when the replica
+        had no state, died under the call (or a target shard under it did) or did not answer by
+        `deadline` (time.monotonic())."""
         response = method.remote(*args)
         try:
             if deadline is None:
                 out = await response
             else:
                 out = await asyncio.wait_for(_result(response), max(deadline - time.monotonic(), 0.0))
-            return {**out, "role": role} if out.get("missing") else out
+            return replace(out, role=role) if isinstance(out, Lost) else out
         except TimeoutError:
             response.cancel()
             why = "no answer in time"
@@ -559,46 +534,45 @@ class Router:
         self.counters["num_replica_failures"] += 1
         self._failure_causes[why] += 1
         logger.warning("a %s call failed (%s): recovering from the committed tokens", role, why)
-        return {"missing": True, "role": role, "died": why}
+        return Lost(role, why)
 
-    async def _first_prefill(self, verifier, request_id: str, prompt_ids: list[int], params: dict) -> dict:
+    async def _first_prefill(self, verifier, request_id: str, prompt_ids: list[int], params: RequestParams) -> Prefilled:
         """The verifier's first prefill (validates the request, samples the first token); retried when
         the verifier replica dies under it."""
         recovery = _Recovery()
         out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None)
-        while "died" in out:
+        while isinstance(out, Lost) and out.died is not None:
             await recovery.before_retry(out)
             out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None,
                                    deadline=recovery.deadline)
-        if out.get("missing"):
+        if isinstance(out, Lost):
             raise RuntimeError("the verifier had already freed this request")
         return out
 
     async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng,
-                                deadline: float | None) -> dict:
-        """Re-prefill the verifier from the committed tokens: {features of every position, ...}, or lost."""
+                                deadline: float | None) -> Prefilled | Lost:
+        """Re-prefill the verifier from the committed tokens (the features of every position), or Lost."""
         self.counters["num_rebuilds"] += 1
         out = await self._call("verifier", verifier.prefill, request_id, r.prompt_ids, r.output_ids, r.params,
                                verify_rng, deadline=deadline)
-        if out.get("missing") and "died" not in out:
+        if isinstance(out, Lost) and out.died is None:
             raise RuntimeError("the verifier refused to rebuild this request's state")
         return out
 
     async def _redraft(self, verifier, drafter, request_id: str, r: Request, verify_rng, draft_rng,
-                       deadline: float | None) -> dict:
+                       deadline: float | None) -> Drafted | Lost:
         """The drafter lost the state: re-prefill the verifier to get every position's features, recreate
         the drafter's state from them and draft. The draft, or what was lost."""
         rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng, deadline)
-        if rebuilt.get("missing"):
+        if isinstance(rebuilt, Lost):
             return rebuilt
-        start = {"prompt_ids": r.prompt_ids, "params": r.params, "draft_rng": draft_rng}
-        return await self._call("drafter", drafter.draft, request_id, r.output_ids, rebuilt["features"], start,
+        start = DraftStart(r.prompt_ids, r.params, draft_rng)
+        return await self._call("drafter", drafter.draft, request_id, r.output_ids, rebuilt.features, start,
                                 deadline=deadline)
 
-    def _chunk(self, r: Request, new_ids: list[int]) -> dict:
+    def _chunk(self, r: Request, new_ids: list[int]) -> Chunk:
         self.counters["num_generated_tokens"] += len(new_ids)
-        return {"token_ids": new_ids, "finish_reason": r.finish_reason,
-                "stats": {**r.stats.to_dict(), "num_prompt_tokens": len(r.prompt_ids)}}
+        return Chunk(new_ids, r.finish_reason, r.stats.to_dict())
 
     def _free_later(self, request_id: str):
         """Free the request in both replicas without blocking (this may run while being cancelled)."""
@@ -612,7 +586,7 @@ class Router:
         self._frees.add(task)
         task.add_done_callback(self._frees.discard)
 
-    async def info(self) -> dict:
+    async def info(self) -> ReplicaInfo:
         if self._info is None:
             self._info = await self.verifier.info.remote()
         return self._info

@@ -9,25 +9,25 @@ about to be freed by the next step's aborts).
 
 import asyncio
 import ctypes
-import fcntl
 import logging
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, fields
 
 import torch
 from ray import serve
 
 from deployments.config import AppConfig
 from deployments.metrics import EngineMetrics
+from deployments.records import Chunk, ReplicaInfo, RequestParams
 from deployments.shards import check_shards, start_shards
+from engine.config import build_engine, load_models
 from engine.engine import Engine, Request, SamplingParams
+from engine.loading import Loaded
+from engine.model import TargetHead
+from engine.runtime import cap_matmul_caches
 
 logger = logging.getLogger("ray.serve")
-
-# The request fields the replica takes; stop strings are applied to text by the ingress.
-PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "block_size", "stop_token_ids")
 
 
 class EngineRequestError(Exception):
@@ -41,30 +41,10 @@ class EngineRequestError(Exception):
         return self.message
 
 
-def resolve_target(target: str | None) -> Path:
-    """The target's folder; the default model is converted at most once per node (file lock), so an
-    ingress and replicas starting together do not race to write the same cache folder."""
-    from engine.default_model import cache_dir, resolve_model_path
-
-    if target is not None:
-        return resolve_model_path(target)
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / ".convert.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return resolve_model_path(None)
-
-
-def cost_model_path(config: AppConfig, loaded, max_block: int) -> Path:
-    """Where the adaptive policy's profiled cost table for these models and this replica size lives."""
-    from engine.default_model import cache_dir
-
-    drafter = Path(loaded.drafter_name).name
-    dtype = str(loaded.dtype).removeprefix("torch.")
+def cost_table_tag(config: AppConfig) -> str:
+    """How the replica runs the target, as far as it changes the adaptive policy's step costs."""
     shards = f"-s{config.num_shards}x{config.shard_num_cpus:g}" if config.num_shards > 1 else ""
-    topology = "-disagg" if config.topology == "disaggregated" else ""
-    name = f"{loaded.target_path.name}-{drafter}-{dtype}-{config.device.replace(':', '')}-" \
-           f"b{max_block}-n{config.max_slots}-t{torch.get_num_threads()}{shards}{topology}.json"
-    return cache_dir() / "cost-models" / name
+    return shards + ("-disagg" if config.topology == "disaggregated" else "")
 
 
 def _libc():
@@ -82,9 +62,8 @@ TRIM_EVERY_STEPS = 1000  # engine steps between heap trims under unbroken load
 
 def tune_malloc():
     """At most 2 glibc malloc arenas: each thread that allocates may otherwise get its own (up to 8 per
-    core), and tensors freed by another thread than the one that made them fragment them. Not a fixed
-    mmap threshold: blocks over it are mapped afresh at every use, and the page faults made a block-1
-    step at batch 16 and 1,024 cached positions 2.2x slower (290 against 134 ms)."""
+    core), and tensors freed by another thread than the one that made them fragment them. (Not a fixed
+    mmap threshold: blocks over it are mapped afresh at every use, and the page faults slow steps down.)"""
     if LIBC is not None:
         LIBC.mallopt(M_ARENA_MAX, 2)
 
@@ -98,6 +77,7 @@ def release_free_memory():
 def start_engine(config: AppConfig, threads: int, build):
     """The engine thread of a replica: `build(config)` runs on it, and so does every later step.
     Returns (executor, engine, info, metrics) with the engine's forwards instrumented."""
+    cap_matmul_caches()
     tune_malloc()
     torch.set_num_threads(threads)  # more threads than reserved CPUs: OpenMP spin-waits starve everyone
     executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=torch.set_num_threads, initargs=(threads,))
@@ -107,59 +87,34 @@ def start_engine(config: AppConfig, threads: int, build):
     return executor, engine, info, metrics
 
 
-def block_policy(config: AppConfig, loaded, target, max_block: int):
-    """The configured block policy; an adaptive one is profiled on `target` and loaded.drafter (a table
-    per models and replica size, cached on disk)."""
-    from engine.policy import AdaptiveBlockPolicy, FixedBlockPolicy
+def replica_info(config: AppConfig, loaded: Loaded, engine: Engine) -> ReplicaInfo:
+    """What a replica built from `config` and `loaded` serves (read on the engine's thread)."""
+    return ReplicaInfo(
+        model=config.model_name, target=str(loaded.target_path), drafter=loaded.drafter_name,
+        dtype=str(loaded.dtype).removeprefix("torch."), device=config.engine.device,
+        policy=config.engine.policy if loaded.drafter is not None else "none",
+        max_block_size=config.engine.max_block_size(loaded.drafter), max_slots=engine.target_cache.num_slots,
+        max_len=engine.max_len, torch_threads=torch.get_num_threads(), num_shards=config.num_shards,
+        topology=config.topology, stop_token_ids=engine.stop_token_ids,
+    )
 
-    if config.policy != "adaptive" or loaded.drafter is None:
-        return FixedBlockPolicy(max_block)
-    path = cost_model_path(config, loaded, max_block)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return AdaptiveBlockPolicy.profile(
-        target, loaded.drafter, max_block_size=max_block, max_batch_size=config.max_slots, path=path)
 
-
-def build_engine(config: AppConfig) -> tuple[Engine, dict]:
-    """Load the models and build the engine with the configured block policy; also what was built."""
-    from engine.loading import load, stop_token_ids
-
-    loaded = load(str(resolve_target(config.target)), config.draft, config.dtype, config.device)
-    target = loaded.target
-    if config.num_shards > 1:  # the layers go to shard actors; the drafter needs the embedding and LM head here
-        from engine.model import TargetHead
-
+def build_colocated(config: AppConfig) -> tuple[Engine, ReplicaInfo]:
+    """The engine with drafter and target in this process (the target's layers in shard actors when
+    num_shards > 1: the drafter still needs its embedding and LM head here)."""
+    loaded = load_models(config.engine)
+    target = None
+    if config.num_shards > 1:
         target = start_shards(config, loaded.dtype, head=TargetHead(loaded.target))
         loaded.target = None
-    max_block = 1 if loaded.drafter is None else config.block_size or loaded.drafter.config.block_size
-    policy = block_policy(config, loaded, target, max_block)
-    engine = Engine(
-        target, loaded.drafter, max_slots=config.max_slots, max_len=config.max_len, policy=policy,
-        stop_token_ids=stop_token_ids(loaded.target_path),
-    )
-    info = {
-        "model": config.model_name,
-        "target": str(loaded.target_path),
-        "drafter": loaded.drafter_name,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        "device": config.device,
-        "policy": config.policy if loaded.drafter is not None else "none",
-        "max_block_size": max_block,
-        "max_slots": engine.target_cache.num_slots,
-        "max_len": engine.max_len,
-        "torch_threads": torch.get_num_threads(),  # as seen by the thread that runs the engine
-        "num_shards": config.num_shards,
-    }
-    return engine, info
+    engine = build_engine(config.engine, loaded, target=target, cost_table_tag=cost_table_tag(config))
+    return engine, replica_info(config, loaded, engine)
 
 
-def sampling_params(engine: Engine, max_block_size: int, prompt_ids: list[int], params: dict) -> SamplingParams:
+def sampling_params(engine: Engine, max_block_size: int, prompt_ids: list[int], params: RequestParams) -> SamplingParams:
     """The engine's SamplingParams, checked now (Engine.check_request) so a bad request fails at
     once even when it would have to wait for a slot."""
-    unknown = sorted(set(params) - set(PARAM_NAMES))
-    if unknown:
-        raise EngineRequestError(f"unknown sampling parameters: {', '.join(unknown)}")
-    given = {k: v for k, v in params.items() if v is not None}
+    given = {k: v for k, v in asdict(params).items() if v is not None}
     if "stop_token_ids" in given:
         given["stop_token_ids"] = tuple(given["stop_token_ids"])
     max_len, num_prompt = engine.max_len, len(prompt_ids)
@@ -197,7 +152,7 @@ class EngineReplica:
     def __init__(self, config: dict):
         self.config = AppConfig.model_validate(config)
         self._executor, self.engine, self._info, self.metrics = start_engine(
-            self.config, self.config.torch_threads, build_engine)
+            self.config, self.config.torch_threads, build_colocated)
         self.num_slots = self.engine.target_cache.num_slots
         self.max_waiting = self.config.replica_max_ongoing_requests
         self._waiting: deque[_Stream] = deque()
@@ -214,10 +169,8 @@ class EngineReplica:
 
     # ---- the API the ingress calls ------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: dict):
-        """Stream one request: dicts {token_ids, finish_reason, stats} as tokens are committed; `stats`
-        (this request's speculative statistics so far plus num_prompt_tokens) rides on every chunk
-        so a caller that stops early still has them. Closing the stream aborts the request."""
+    async def generate(self, prompt_ids: list[int], params: RequestParams):
+        """Stream one request: a Chunk as tokens are committed. Closing the stream aborts the request."""
         self._ensure_step_loop()
         sampling = self._sampling_params(prompt_ids, params)
         if len(self._waiting) >= self.max_waiting:
@@ -236,8 +189,7 @@ class EngineReplica:
                     more, finish_reason, stats = await self._next(stream)
                     token_ids = token_ids + more
                 done = finish_reason is not None
-                yield {"token_ids": token_ids, "finish_reason": finish_reason,
-                       "stats": {**stats, "num_prompt_tokens": len(prompt_ids)}}
+                yield Chunk(token_ids, finish_reason, stats)
         finally:
             if not done:  # client gone (CancelledError / GeneratorExit) or an error: free the slots
                 self._cancel(stream)
@@ -251,9 +203,8 @@ class EngineReplica:
         await self.check_health()
         return {"status": "ok", **await self.slots()}
 
-    async def info(self) -> dict:
-        """What this replica serves: model, drafter, dtype, policy, context length, largest block."""
-        return dict(self._info)
+    async def info(self) -> ReplicaInfo:
+        return self._info
 
     async def stats(self) -> dict:
         """This replica's totals: request counters and the engine's speculative statistics."""
@@ -274,8 +225,8 @@ class EngineReplica:
 
     # ---- validation ---------------------------------------------------------------------
 
-    def _sampling_params(self, prompt_ids: list[int], params: dict) -> SamplingParams:
-        return sampling_params(self.engine, self._info["max_block_size"], prompt_ids, params)
+    def _sampling_params(self, prompt_ids: list[int], params: RequestParams) -> SamplingParams:
+        return sampling_params(self.engine, self._info.max_block_size, prompt_ids, params)
 
     # ---- the step loop ------------------------------------------------------------------
 

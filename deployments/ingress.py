@@ -24,8 +24,10 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppConfig, env_api_keys
-from deployments.engine_replica import EngineRequestError, resolve_target
+from deployments.engine_replica import EngineRequestError
 from deployments.metrics import RequestMetrics
+from deployments.records import Chunk, ReplicaInfo, RequestParams
+from engine.default_model import resolve_model_path
 
 # ---- errors -----------------------------------------------------------------------------
 
@@ -209,8 +211,8 @@ class SamplingRequest(BaseModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, allow_inf_nan=False,
-                               description=f"0 (or below {GREEDY_BELOW:g}) decodes greedily")
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False,
+                               description=f"0 to 2 (OpenAI's range); 0 (or below {GREEDY_BELOW:g}) decodes greedily")
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0, le=2**31 - 1,
                        description="extension: sample among the k likeliest tokens; 0 disables it")
@@ -245,10 +247,10 @@ class SamplingRequest(BaseModel):
             if name in NEUTRAL_VALUES and value is not None and value not in NEUTRAL_VALUES[name]:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
 
-    def sampling_params(self, max_tokens: int | None) -> dict:
+    def sampling_params(self, max_tokens: int | None) -> RequestParams:
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
-        return {"max_tokens": max_tokens, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "seed": self.seed, "block_size": self.block_size}
+        return RequestParams(max_tokens=max_tokens, temperature=temperature, top_p=self.top_p, top_k=self.top_k,
+                             seed=self.seed, block_size=self.block_size)
 
 
 class TextPart(BaseModel):
@@ -403,7 +405,7 @@ class Generation:
     """One request's run on an engine replica, as text deltas; cancels the replica stream on close.
     Records the request's latencies and tokens in `metrics` as its chunks arrive."""
 
-    def __init__(self, handle: DeploymentHandle, tokenizer, prompt_ids: list[int], params: dict, stops: list[str],
+    def __init__(self, handle: DeploymentHandle, tokenizer, prompt_ids: list[int], params: RequestParams, stops: list[str],
                  timeout_s: float | None, metrics: RequestMetrics):
         self.metrics = metrics
         self.start = time.monotonic()
@@ -422,14 +424,14 @@ class Generation:
             while self.finish_reason is None:
                 chunk = await self._next_chunk()
                 now = time.monotonic()
-                self.metrics.observe_chunk(len(chunk["token_ids"]), now - self.start, None if last is None else now - last)
+                self.metrics.observe_chunk(len(chunk.token_ids), now - self.start, None if last is None else now - last)
                 last = now
-                self.stats = chunk["stats"]
-                delta = self.text.add(chunk["token_ids"])
+                self.stats = chunk.stats
+                delta = self.text.add(chunk.token_ids)
                 if self.text.stopped:
                     self.finish_reason = "stop"
-                elif chunk["finish_reason"] is not None:
-                    self.finish_reason = "length" if chunk["finish_reason"] == "length" else "stop"
+                elif chunk.finish_reason is not None:
+                    self.finish_reason = "length" if chunk.finish_reason == "length" else "stop"
                     delta += self.text.flush()
                 if self.finish_reason is not None:
                     self.metrics.observe_finished(self.finish_reason, now - self.start)
@@ -447,7 +449,7 @@ class Generation:
         except Exception:  # the call never reached a replica (e.g. BackPressureError): nothing to cancel
             pass
 
-    async def _next_chunk(self) -> dict:
+    async def _next_chunk(self) -> Chunk:
         remaining = None if self.deadline is None else max(self.deadline - time.monotonic(), 0)
         try:
             return await asyncio.wait_for(self._response.__anext__(), remaining)
@@ -481,9 +483,9 @@ class OpenAIIngress:
         self.config = AppConfig.model_validate(config)
         api.state.api_keys = [*(k.get_secret_value() for k in self.config.api_keys), *env_api_keys()]
         api.state.max_request_bytes = self.config.max_request_bytes
-        self.tokenizer = load_tokenizer(resolve_target(self.config.target))
+        self.tokenizer = load_tokenizer(resolve_model_path(self.config.engine.target))
         self.created = int(time.time())
-        self._info: dict | None = None
+        self._info: ReplicaInfo | None = None
         self.metrics = RequestMetrics(self.config.model_name, self.config.topology)
 
     @api.get("/health", responses={503: {"model": ErrorResponse, "description": "no healthy engine replica"}})
@@ -501,7 +503,7 @@ class OpenAIIngress:
         info = await self._replica_info()
         return {"object": "list", "data": [{
             "id": self.config.model_name, "object": "model", "created": self.created, "owned_by": "dflash-serve",
-            "max_model_len": info["max_len"], "drafter": info["drafter"], "max_block_size": info["max_block_size"],
+            "max_model_len": info.max_len, "drafter": info.drafter, "max_block_size": info.max_block_size,
         }]}
 
     @api.post("/v1/chat/completions", responses=GENERATED)
@@ -531,7 +533,7 @@ class OpenAIIngress:
                                 f"'{self.config.model_name}'", param="model", code="model_not_found")
         body.check_supported()
 
-    async def _replica_info(self) -> dict:
+    async def _replica_info(self) -> ReplicaInfo:
         if self._info is None:
             self._info = await self.engine.info.remote()
         return self._info

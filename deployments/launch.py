@@ -1,28 +1,17 @@
 """`dflash-serve serve`: start a local Ray cluster on loopback, run the Serve application on
-127.0.0.1 and block until interrupted. It owns only the process's lifetime; the app is build_app's.
+127.0.0.1 and block until interrupted (Ctrl-C or SIGTERM), then stop every process it started.
+It owns only the process's lifetime; the app is build_app's.
 """
 
 import math
 import os
+import signal
 import time
 
-def app_config(args):
-    """The AppConfig of the `serve` flags (and DFLASH_API_KEYS); unset flags keep AppConfig's defaults."""
-    from deployments.config import AppConfig, env_api_keys
+import psutil
 
-    optional = {"max_queued_requests": args.max_queued_requests, "request_timeout_s": args.request_timeout_s}
-    keys = [*args.api_key, *env_api_keys()]  # the replicas would read the environment too; this shows the count
-    config = AppConfig(
-        target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, policy=args.policy,
-        block_size=args.block_size, max_slots=args.max_slots, num_replicas=args.num_replicas, api_keys=keys,
-        topology=args.topology, num_shards=args.num_shards, shard_placement=args.shard_placement,
-        **{k: v for k, v in optional.items() if v is not None},
-    )
-    if config.num_shards > 1:
-        from deployments.shards import check_num_shards
-
-        check_num_shards(config)  # more shards than the target has layers: an error before Ray starts
-    return config
+STOP_TIMEOUT_S = 3  # how long Ray's processes get to exit after ray.shutdown() before they are killed
+WATCH_EVERY_S = 2  # how often the processes this one started are noted (replicas start and stop while it serves)
 
 
 def reserved_cpus(config) -> float:
@@ -33,6 +22,28 @@ def reserved_cpus(config) -> float:
     return config.num_replicas * (config.num_cpus + shards) + drafters
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
+
+
+def stop(processes: set[psutil.Process], timeout_s: float = STOP_TIMEOUT_S):
+    """Terminate what is left of `processes`, then kill what still runs after `timeout_s`. Ray's agents
+    (DashboardAgent, RuntimeEnvAgent) can outlive their raylet, which no longer reaps them."""
+    alive = [p for p in processes if p.is_running()]
+    for p in alive:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(alive, timeout=timeout_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout_s)
+
+
 def serve_forever(config, port: int):
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # else Ray 2.60 binds the external address
     import ray
@@ -40,20 +51,27 @@ def serve_forever(config, port: int):
 
     from deployments.app import build_app
 
-    # the dashboard (Serve tab) on loopback; it also writes the discovery file cluster/prometheus.yml reads
-    # logical CPUs: what the app reserves (more than the machine has is allowed; they then share its cores)
-    context = ray.init(address="local", num_cpus=max(2, math.ceil(reserved_cpus(config))), include_dashboard=True,
-                       dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
+    signal.signal(signal.SIGTERM, _interrupt)
+    me, started = psutil.Process(), set()
     try:
+        # the dashboard (Serve tab) on loopback; it also writes the discovery file cluster/prometheus.yml reads
+        # logical CPUs: what the app reserves (more than the machine has is allowed; they then share its cores)
+        context = ray.init(address="local", num_cpus=max(2, math.ceil(reserved_cpus(config))), include_dashboard=True,
+                           dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
+        signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init put its own (it logs, then aborts at exit)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="dflash", route_prefix="/")
         auth = f", {len(config.api_keys)} API key(s) required" if config.api_keys else ""
         print(f"dflash-serve: serving {config.model_name} at http://127.0.0.1:{port}/v1{auth} (Ctrl-C stops); "
-              f"Ray dashboard at http://{context.dashboard_url}", flush=True)
+              f"Ray dashboard at http://{context.dashboard_url} (its token: .venv/bin/ray get-auth-token)", flush=True)
         while True:
-            time.sleep(3600)
+            started.update(me.children(recursive=True))
+            time.sleep(WATCH_EVERY_S)
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        started.update(me.children(recursive=True))
+        ray.shutdown()  # the app ends with the cluster (serve.shutdown() would drain every replica first: too slow)
+        stop(started)

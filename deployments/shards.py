@@ -14,8 +14,10 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import AppConfig
+from engine.default_model import resolve_model_path
 from engine.kv_cache import SlotTable
 from engine.model import ModelConfig, TargetHead, load_target, ordered_features, read_hf_config
+from engine.runtime import cap_matmul_caches
 
 PLACEMENT_TIMEOUT_S = 120  # how long an engine without Serve waits for the cluster to place its shards
 
@@ -41,10 +43,9 @@ class TargetShard:
     and LM head on the last) and their KV caches: one per cache id its ShardedTarget made."""
 
     def __init__(self, target: str | None, layers: tuple[int, int], dtype: torch.dtype, device: str, num_threads: int):
-        from deployments.engine_replica import resolve_target  # not at the top: engine_replica imports this module
-
+        cap_matmul_caches()
         torch.set_num_threads(num_threads)
-        self.model = load_target(resolve_target(target), dtype, device, layers)
+        self.model = load_target(resolve_model_path(target), dtype, device, layers)
         self.caches = {}
 
     def layers(self) -> tuple[int, int]:
@@ -90,9 +91,7 @@ class ShardedTarget:
                  num_cpus: float = 1, num_gpus: float = 0, resources: dict[str, float] | None = None,
                  strategy: str = "PACK", placement_group: PlacementGroup | None = None, first_bundle: int = 0,
                  head: TargetHead | None = None):
-        from deployments.engine_replica import resolve_target
-
-        hf_config = read_hf_config(resolve_target(target))
+        hf_config = read_hf_config(resolve_model_path(target))
         try:
             self.config = ModelConfig.from_hf(hf_config)
         except ValueError as e:
@@ -162,15 +161,13 @@ class ShardedTarget:
 
 def check_num_shards(config: AppConfig):
     """Raise ValueError naming num_shards when the target has fewer layers than config.num_shards."""
-    from deployments.engine_replica import resolve_target
-
-    layer_ranges(read_hf_config(resolve_target(config.target))["num_hidden_layers"], config.num_shards)
+    layer_ranges(read_hf_config(resolve_model_path(config.engine.target))["num_hidden_layers"], config.num_shards)
 
 
 def start_shards(config: AppConfig, dtype: torch.dtype, head: TargetHead | None = None) -> ShardedTarget:
     """A replica's target shards, in the placement group build_app gave the replica (bundle 0 holds the
     replica, bundles 1..num_shards the shards); a replica deployed without one gets a group of their own."""
-    return ShardedTarget(config.target, config.num_shards, dtype, config.device, num_cpus=config.shard_num_cpus,
+    return ShardedTarget(config.engine.target, config.num_shards, dtype, config.engine.device, num_cpus=config.shard_num_cpus,
                          num_gpus=config.shard_num_gpus, resources=config.shard_resources,
                          strategy=config.shard_placement, placement_group=ray.util.get_current_placement_group(),
                          first_bundle=1, head=head)

@@ -1,10 +1,10 @@
 """Side-by-side decoding benchmark: transformers, z-lab's reference DFlash and this engine run on the
 same prompts, weights and settings in one process; it prints a table and writes JSON and a plot.
 
-It owns the method adapters, the timing and the comparison metrics; models come from engine.loading.
+It owns the method adapters, the timing and the comparison metrics; our engines come from
+engine.config (build_engine), one per method, all on the same loaded models.
 """
 
-import copy
 import json
 import os
 import platform
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from engine.config import EngineConfig, build_engine, load_models
 from engine.engine import Engine, SamplingParams
-from engine.loading import load, quantize_int8, stop_token_ids
-from engine.policy import FixedBlockPolicy
+from engine.loading import quantize_int8, stop_token_ids
 from engine.prompts import DEFAULT_PROMPTS, Prompt, chat, read_prompts
 from engine.stats import SpecStats
 from engine.suffix import SuffixProposer
@@ -44,14 +44,8 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    block_size: int | None = None  # None: the drafter's own
-    denoising_steps: int = 1
-    target: str | None = None
-    draft: str = "default"
-    dtype: str = "auto"
-    device: str = "cpu"
-    int8_drafter: bool = False
-    full_draft_head: bool = False  # ignore the drafter's reduced draft vocabulary
+    # our engines' settings; each method sets its own policy, and the bench its slots and context length
+    engine: EngineConfig = field(default_factory=EngineConfig)
     batch_size: int | None = None
     repeats: int = 1
     json: str | None = None
@@ -117,24 +111,6 @@ def zlab_method(draft_model, model, stops, block_size) -> Method:
     return generate
 
 
-@dataclass
-class EngineSpec:
-    """How to build one of our engines: drafter (None = autoregressive), policy, block cap."""
-
-    drafter: object | None
-    policy: object | None = None
-    block_size: int | None = None
-    suffix: bool = False  # a suffix proposer beside the drafter (or alone)
-
-
-def make_engine(loaded, spec: EngineSpec, cfg: BenchConfig, max_slots: int, max_len: int) -> Engine:
-    return Engine(
-        loaded.target, spec.drafter, max_slots=max_slots, max_len=max_len, policy=spec.policy,
-        stop_token_ids=stop_token_ids(loaded.target_path), denoising_steps=cfg.denoising_steps,
-        reduced_draft_head=not cfg.full_draft_head, suffix=SuffixProposer() if spec.suffix else None,
-    )
-
-
 def fresh_suffix_index(engine: Engine):
     """An empty suffix index before each timed run: a prompt's own earlier output (a warm-up, an earlier
     repeat) would otherwise be proposed back to it, which no real request gets."""
@@ -152,18 +128,6 @@ def engine_method(engine: Engine, block_size: int | None) -> Method:
     return generate
 
 
-def adaptive_policy(target, drafter, max_block_size, profiled={}):
-    """engine.policy.AdaptiveBlockPolicy profiled on these models; a fresh copy of one profile per call
-    (each engine learns on its own; the profile is timed once)."""
-    from engine.policy import AdaptiveBlockPolicy
-
-    key = (id(target), id(drafter), max_block_size)
-    if key not in profiled:
-        profiled.clear()  # models of another setup: their ids may be reused
-        profiled[key] = AdaptiveBlockPolicy.profile(target, drafter, max_block_size)
-    return copy.deepcopy(profiled[key])
-
-
 def zlab_drafter_dir(loaded, drafter, tmp: Path) -> Path:
     """The drafter folder z-lab loads: ours, or the random drafter saved there in the run dtype."""
     if loaded.drafter_name != "random":
@@ -177,48 +141,45 @@ def zlab_drafter_dir(loaded, drafter, tmp: Path) -> Path:
 @dataclass
 class Setup:
     methods: dict[str, Method]
-    engines: dict[str, EngineSpec]  # our methods, to rebuild batched
-    loaded: object
+    engines: dict[str, EngineConfig]  # our methods, to rebuild batched
+    loaded: object  # the models every method runs (ours with the int8 drafter when asked)
+    tokenizer: object
     prompt_ids: list[list[int]]
     block_size: int
-    max_len: int
     notes: list[str]
 
 
 def setup(cfg: BenchConfig, prompts: list[Prompt], tmp: Path) -> Setup:
     """Load every model once, tokenise the prompts, build cfg.methods then the block-size sweep."""
-    loaded = load(cfg.target, cfg.draft, cfg.dtype, cfg.device, int8_drafter=False)
+    loaded = load_models(replace(cfg.engine, int8_drafter=False))
     prompt_ids = [p.token_ids(loaded.tokenizer) for p in prompts]
-    drafter, notes = loaded.drafter, []
-    block_size = cfg.block_size or (drafter.config.block_size if drafter is not None else 1)
-    ours = drafter
-    if cfg.int8_drafter:
-        ours = quantize_int8(drafter, copy=True)
+    drafter, notes, ours = loaded.drafter, [], loaded
+    block_size = cfg.engine.max_block_size(drafter)
+    if cfg.engine.int8_drafter:
+        ours = replace(loaded, drafter=quantize_int8(drafter, copy=True))
         notes.append("--int8-drafter: our methods use the int8 drafter; zlab uses the unquantised weights")
-    if cfg.denoising_steps > 1:
-        notes.append(f"--denoising-steps {cfg.denoising_steps}: zlab always runs one denoising pass")
-    if getattr(drafter, "draft_vocab", None) is not None and not cfg.full_draft_head:
+    if cfg.engine.denoising_steps > 1:
+        notes.append(f"--denoising-steps {cfg.engine.denoising_steps}: zlab always runs one denoising pass")
+    if getattr(drafter, "draft_vocab", None) is not None and not cfg.engine.full_draft_head:
         notes.append(f"our methods draft from the drafter's {len(drafter.draft_vocab)}-token draft vocabulary; "
                      "zlab scores the full vocabulary (--full-draft-head: like for like)")
     stops = stop_token_ids(loaded.target_path)
-    hf_model = load_hf_model(loaded, cfg.device) if NEEDS_HF_MODEL & set(cfg.methods) else None
-    engines = engine_specs(cfg, loaded.target, ours, block_size, notes)
+    hf_model = load_hf_model(loaded, cfg.engine.device) if NEEDS_HF_MODEL & set(cfg.methods) else None
     longest = max(len(ids) for ids in prompt_ids + [WARMUP_PROMPT.token_ids(loaded.tokenizer)])
-    max_len = longest + cfg.max_new_tokens + 1
+    engines = engine_configs(cfg, block_size, max_len=longest + cfg.max_new_tokens + 1)
     methods = {}
     for name in cfg.methods + [f"dflash-b{b}" for b in cfg.block_sizes]:
         if name in engines:
-            engine = make_engine(loaded, engines[name], cfg, 1, max_len)
-            methods[name] = engine_method(engine, engines[name].block_size)
+            methods[name] = engine_method(build_engine(engines[name], ours), engines[name].block_size)
         elif name in ("hf", "hf-lookup"):
             methods[name] = hf_method(hf_model, stops, lookup=name == "hf-lookup")
         elif name == "zlab":
             from dflash.model import DFlashDraftModel
 
             folder = zlab_drafter_dir(loaded, drafter, tmp)
-            zdraft = DFlashDraftModel.from_pretrained(str(folder), dtype=loaded.dtype).to(cfg.device).eval()
+            zdraft = DFlashDraftModel.from_pretrained(str(folder), dtype=loaded.dtype).to(cfg.engine.device).eval()
             methods[name] = zlab_method(zdraft, hf_model, stops, block_size)
-    return Setup(methods, engines, loaded, prompt_ids, block_size, max_len, notes)
+    return Setup(methods, engines, ours, loaded.tokenizer, prompt_ids, block_size, notes)
 
 
 def load_hf_model(loaded, device):
@@ -228,22 +189,20 @@ def load_hf_model(loaded, device):
     return model.to(device).eval()
 
 
-def engine_specs(cfg: BenchConfig, target, drafter, block_size: int, notes: list[str]) -> dict[str, EngineSpec]:
-    """Our methods among cfg.methods, plus dflash-b{N} per --block-sizes."""
-    specs = {}
-    for name in cfg.methods:
-        if name == "ar":
-            specs[name] = EngineSpec(None)
-        elif name == "dflash":
-            specs[name] = EngineSpec(drafter, FixedBlockPolicy(block_size), block_size)
-        elif name in ("dflash-adaptive", "dflash+suffix"):
-            specs[name] = EngineSpec(drafter, adaptive_policy(target, drafter, block_size), block_size,
-                                     suffix=name == "dflash+suffix")
-        elif name == "suffix":
-            specs[name] = EngineSpec(None, suffix=True)
+def engine_configs(cfg: BenchConfig, block_size: int, max_len: int) -> dict[str, EngineConfig]:
+    """Our methods among cfg.methods, plus dflash-b{N} per --block-sizes: one request at a time; the
+    requests of a run verify at most the engine's block_size (none for ar: no drafter)."""
+    one = replace(cfg.engine, max_slots=1, max_len=max_len, proposers="dflash")
+    configs = {"ar": replace(one, draft="none", int8_drafter=False, policy="fixed", block_size=None),
+               "dflash": replace(one, policy="fixed", block_size=block_size),
+               "dflash-adaptive": replace(one, policy="adaptive", block_size=block_size),
+               "suffix": replace(one, draft="none", int8_drafter=False, policy="fixed", block_size=None,
+                                 proposers="suffix"),
+               "dflash+suffix": replace(one, policy="adaptive", block_size=block_size, proposers="dflash,suffix")}
+    out = {name: configs[name] for name in cfg.methods if name in configs}
     for b in cfg.block_sizes:
-        specs[f"dflash-b{b}"] = EngineSpec(drafter, FixedBlockPolicy(b), b)
-    return specs
+        out[f"dflash-b{b}"] = replace(one, policy="fixed", block_size=b)
+    return out
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -308,13 +267,13 @@ def run_batch(cfg: BenchConfig, s: Setup, records) -> dict:
     n = cfg.batch_size
     indices = [i % len(s.prompt_ids) for i in range(n)]
     prompts, params = [s.prompt_ids[i] for i in indices], [sampling_params(cfg, i) for i in indices]
-    warmup = [WARMUP_PROMPT.token_ids(s.loaded.tokenizer)] * n
+    warmup = [WARMUP_PROMPT.token_ids(s.tokenizer)] * n
     out = {}
     for name in [m for m in BATCHABLE if m in s.engines]:
-        spec = s.engines[name]
-        engine = make_engine(s.loaded, spec, cfg, n, s.max_len)
+        config = replace(s.engines[name], max_slots=n)
+        engine = build_engine(config, s.loaded)
         engine.generate_batch(warmup, [replace(p, max_tokens=WARMUP_TOKENS) for p in params])
-        batched = [replace(p, block_size=spec.block_size) for p in params]
+        batched = [replace(p, block_size=config.block_size) for p in params]
         runs = []
         for _ in range(cfg.repeats):
             fresh_suffix_index(engine)
@@ -330,7 +289,8 @@ def run_batch(cfg: BenchConfig, s: Setup, records) -> dict:
             "aggregate_tokens_per_s": tokens / seconds,
             "single_tokens_per_s": single_tps,
             "ratio": tokens / seconds / single_tps,
-            "tau": mean_or_none([a for r in requests for a in r.acceptance_lengths]) if spec.drafter or spec.suffix else None,
+            "tau": mean_or_none([a for r in requests for a in r.acceptance_lengths])
+            if engine.drafter is not None or engine.suffix is not None else None,
             "matches_single": all(same) if cfg.greedy else None,
             "match_rate_single": sum(same) / n if cfg.greedy else None,
         }
@@ -465,7 +425,7 @@ def plot(report: dict, path):
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     c = report["config"]
     ax.set_ylabel("tokens/s")
-    ax.set_title(f"{Path(c['target_path']).name}, {c['dtype_resolved']}, {c['device']}, T={c['temperature']}, "
+    ax.set_title(f"{Path(c['target_path']).name}, {c['dtype_resolved']}, {c['engine']['device']}, T={c['temperature']}, "
                  f"{c['num_prompts_run']} prompts x {c['max_new_tokens']} tokens", fontsize=9)
     ax.margins(y=0.2)
     ax.tick_params(axis="x", labelrotation=20)
@@ -481,7 +441,7 @@ def run(cfg: BenchConfig) -> dict:
         s = setup(cfg, prompts, Path(tmp))
         for note in s.notes:
             print(f"note: {note}")
-        records = time_methods(s.methods, s.prompt_ids, cfg, s.loaded.tokenizer)
+        records = time_methods(s.methods, s.prompt_ids, cfg, s.tokenizer)
     stops = set(stop_token_ids(s.loaded.target_path))
     base = records.get("hf")
     methods = {name: summarize(recs, base, cfg.greedy, stops) for name, recs in records.items()}

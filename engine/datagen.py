@@ -193,7 +193,7 @@ class CaptureEngine(Engine):
             r.pending_features = None
         return first
 
-    def _commit(self, r, num_new, features):
+    def commit(self, r, num_new, features):
         r.num_cached += num_new
         self.target_cache.crop(r.target_slot, r.num_cached)
         self.features[r.request_id].append(features[:num_new].clone())

@@ -4,6 +4,7 @@ It is converted once into a safetensors folder under the cache directory ($DFLAS
 default ~/.cache/dflash-serve) and loaded from there offline afterwards.
 """
 
+import fcntl
 import importlib.util
 import os
 from pathlib import Path
@@ -33,14 +34,19 @@ def gguf_path() -> Path:
 
 
 def default_model_path() -> Path:
-    """The converted default model's folder, converting the GGUF file on first use (~15 s)."""
+    """The converted default model's folder, converting the GGUF file on first use (~15 s). One process
+    per machine converts it (a file lock): an ingress and replicas starting together wait for it."""
     out = cache_dir() / "SmolLM2-135M-Instruct"
-    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+    converted = lambda: (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    if converted():
         return out
-    src = gguf_path()
-    tmp = out.with_name(out.name + ".tmp")
-    convert_gguf(src, tmp)
-    tmp.rename(out) if not out.exists() else None
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".convert.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not converted():
+            tmp = out.with_name(out.name + ".tmp")
+            convert_gguf(gguf_path(), tmp)
+            tmp.rename(out) if not out.exists() else None
     return out
 
 

@@ -101,11 +101,11 @@ class StepOutput:
     finish_reason: str | None
 
 
-# Padded prompt positions per prefill call: one 700-token prompt costs as much per token alone as in a
-# batch of 16 (bf16, one CPU core: 0.84 vs 0.98 s), so bigger groups only add padding and latency.
+# Defaults of EngineConfig's fields of the same names (engine/config.py, where they are described).
+# Bigger prefill groups only add padding and latency: a long prompt costs as much per token alone as in a batch.
 PREFILL_TOKEN_BUDGET = 2048
 SUFFIX_BLOCK = 16  # the largest block a suffix draft fills when there is no drafter to set it
-BACKLOG_CALL_POSITIONS = 64  # a drafter pass of its own, in positions of a batch pass: set by eye from CPU timings, not tuned
+BACKLOG_CALL_POSITIONS = 64  # set by eye from CPU timings, not tuned
 
 
 def prefill_group(new: list, budget: int) -> list:
@@ -158,12 +158,15 @@ class Engine:
         feature_layers: tuple[int, ...] | None = None,
         reduced_draft_head: bool = True,
         suffix: SuffixProposer | None = None,
+        prefill_token_budget: int = PREFILL_TOKEN_BUDGET,
+        backlog_call_positions: int | None = BACKLOG_CALL_POSITIONS,
     ):
         """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
         Give them to an engine without a drafter that serves a drafter in another process.
         reduced_draft_head: when the drafter has a draft vocabulary, score only those tokens.
         suffix: a SuffixProposer: each step, each request verifies either the drafter's block or what its
-        context already says (the policy's `suffix_widths` decides), with or without a drafter."""
+        context already says (the policy's `suffix_widths` decides), with or without a drafter.
+        prefill_token_budget, backlog_call_positions: see EngineConfig (engine/config.py)."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -184,7 +187,8 @@ class Engine:
         self.stop_token_ids = tuple(stop_token_ids)
         self.decode = decode
         self.denoising_steps = denoising_steps
-        self.backlog_call_positions = BACKLOG_CALL_POSITIONS  # None: pad every backlog into the block pass (for A/B runs)
+        self.prefill_token_budget = prefill_token_budget
+        self.backlog_call_positions = backlog_call_positions  # None: pad every backlog into the block pass
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
         # only an engine that drafts reads the LM head here (a sharded target has none in this process)
         self.draft_head = DraftHead(target.lm_head, vocab) if drafter is not None else None
@@ -259,7 +263,7 @@ class Engine:
         """Prefill a group of new requests, or run one speculative step for every running request.
 
         New requests are prefilled first come first served, in groups of at most
-        PREFILL_TOKEN_BUDGET padded prompt positions (one prompt at least), and while some wait,
+        `prefill_token_budget` padded prompt positions (one prompt at least), and while some wait,
         prefill and decode steps alternate: a burst of long prompts neither stalls the running
         requests' streams until all are in, nor pays for padding every prompt to the longest.
 
@@ -280,13 +284,13 @@ class Engine:
         running = [r for r in self.requests.values() if r.output_ids]
         if new and not (running and self._prefilled_last):
             self._prefilled_last = True
-            group = prefill_group(new, PREFILL_TOKEN_BUDGET)
+            group = prefill_group(new, self.prefill_token_budget)
             return self._finish_step(group, self.prefill(group), speculative=False)
         self._prefilled_last = False
         if not running:
             return []
         start, context = time.perf_counter(), max(r.num_cached for r in running)
-        caps = [self._block_cap(r) for r in running]
+        caps = [self.block_cap(r) for r in running]
         proposals = self._suffix_proposals(running, caps)
         widths = self.policy.suffix_widths(running, caps, proposals) if any(proposals) else [0] * len(running)
         rows = [i for i, w in enumerate(widths) if w == 0]  # drafted by DFlash (or plain steps)
@@ -303,7 +307,7 @@ class Engine:
         if len(rows) < len(running):
             self.observe_suffix(running, proposals, widths, num_accepted)
         for i, r in enumerate(running):
-            self._commit(r, num_accepted[i] + 1, None if features is None else features[i])
+            self.commit(r, num_accepted[i] + 1, None if features is None else features[i])
         outputs = self._finish_step(running, committed)
         if len(rows) == len(running):  # the cost model knows drafter + verify steps, not suffix-widened ones
             self.policy.observe_step(len(running), max(drafted.block_sizes), context, time.perf_counter() - start,
@@ -370,7 +374,7 @@ class Engine:
         if drafted.confidence is not None:
             self.policy.observe_verified(requests, drafted.block_sizes, verified_sizes, drafted.confidence, num_accepted)
 
-    def _block_cap(self, r: Request) -> int:
+    def block_cap(self, r: Request) -> int:
         """The largest block this request may verify: its own block size and its remaining budget."""
         if self.drafter is None and self.suffix is None:
             return 1
@@ -447,10 +451,8 @@ class Engine:
     def _take_backlogs(self, requests):
         """Let the drafter take in long backlogs of target features (a prompt after its prefill, the steps
         of a stretch at block 1) row by row, each unpadded, when that costs less than the block pass
-        padding every row to them: one 800-position prompt padded 16 rows to 12,800 positions (309 ms against
-        22 ms for the row alone; the default drafter, bf16, one CPU thread: scripts/backlog_pass.py). The block pass
-        then pads the other rows to the widest backlog left; a pass of its own costs about as much as
-        `backlog_call_positions` more positions."""
+        padding every row to them (docs/design.md). The block pass then pads the other rows to the widest
+        backlog left; a pass of its own costs about as much as `backlog_call_positions` more positions."""
         if self.backlog_call_positions is None:
             return
         rows = sorted(requests, key=lambda r: -r.pending_features.shape[0])
@@ -510,7 +512,7 @@ class Engine:
 
     # ---- helpers -----------------------------------------------------------------------
 
-    def _commit(self, r: Request, num_new: int, features):
+    def commit(self, r: Request, num_new: int, features):
         """Keep the block's first `num_new` positions in the target cache, queue their features."""
         r.num_cached += num_new
         self.target_cache.crop(r.target_slot, r.num_cached)
@@ -538,7 +540,7 @@ class Engine:
         temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=device)
         top_k = torch.tensor([r.params.top_k for r in requests], device=device)
         if all(r.params.top_k <= 0 and r.params.top_p >= 1 for r in requests):
-            # nothing to cut away: a plain softmax (sampling_probs' sort costs ~2 ms per position on a CPU)
+            # nothing to cut away: a plain softmax (sampling_probs' sort is dear on a CPU)
             return (logits.float() / temperature.view(-1, *[1] * (logits.dim() - 1))).softmax(-1)
         top_p = torch.tensor([float(r.params.top_p) for r in requests], device=device)
         return sampling_probs(logits, temperature, top_k, top_p)

@@ -122,7 +122,7 @@ def phase_check(args, out: Path) -> dict:
                        out / "check-tests.txt", timeout=240)
     trained = out / "train" / "drafter"
     draft = "random" if args.tiny else str(trained) if (trained / "config.json").exists() else "default"
-    bench_cmd = [sys.executable, "-m", "engine.cli", "bench", "--device", args.device, "--dtype", "bfloat16",
+    bench_cmd = [sys.executable, "-m", "dflash_serve.cli", "bench", "--device", args.device, "--dtype", "bfloat16",
                  "--methods", "hf,ar,dflash,dflash-adaptive", "--draft", draft, "--num-prompts", "2" if args.tiny else "6",
                  "--max-new-tokens", "8" if args.tiny else "128", "--json", str(out / "check-bench.json")]
     if target_of(args, out):

@@ -111,11 +111,9 @@ def attention(q, keys, values, mask):
     mask [batch, 1, q, kv_len] bool, or None: causal with q == kv_len (query i sees keys 0..i).
 
     A causal prefill skips the masked half of the work (the fused kernel knows which tiles to skip,
-    not so with a mask): 1.5x faster prefill of 700 tokens on a CPU (bf16, torch 2.13).
-    One-query steps in bf16 on a CPU use plain float32 matmuls: torch's fused CPU kernel is 5-12x
-    slower there (385 vs 66 us at 500 keys; 1.7 ms vs 0.14 ms for 8 rows; torch 2.13), and such
-    tiny matmuls run 1.3-1.8x faster in float32 than in bf16, conversions included, at 1-4 rows
-    (and no slower at 16).
+    not so with a mask). One-query steps in bf16 on a CPU use plain float32 matmuls: torch's fused CPU
+    kernel is several times slower there, and such tiny matmuls run faster in float32 than in bf16,
+    conversions included (the timings are in docs/design.md).
     """
     if mask is None:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
@@ -176,11 +174,10 @@ def can_pack(dtype, device) -> bool:
 class Linear(nn.Linear):
     """nn.Linear that can also keep its weight in oneDNN's blocked layout (`pack`, bf16 on a CPU).
 
-    F.linear in bf16 on a CPU re-lays the weight out on every call; the packed weight skips that:
-    a 576 x 3072 layer streamed from memory takes about half the time (torch 2.13: 75-140 us
-    against 200-270 us at 2-16 rows on two cores; 145 against 265 us at one row on one core). One
-    row is sent as two (the same row twice): oneDNN's packed kernel for a single row is
-    pathologically slow (~26 ms). Grad mode uses the plain weight (the packed op has no backward).
+    F.linear in bf16 on a CPU re-lays the weight out on every call; the packed weight skips that, about
+    half the time for a layer streamed from memory (docs/design.md). One row is sent as two (the same row
+    twice): oneDNN's packed kernel for a single row is pathologically slow. Grad mode uses the plain
+    weight (the packed op has no backward).
     Pack once the weights are final: the packed copy does not follow later changes to `weight`.
     """
 

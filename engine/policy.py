@@ -134,8 +134,8 @@ class CostModel:
     contexts: list[int] = field(default_factory=lambda: [256])  # ascending; cached positions per row of each table
     draft_seconds: list | None = None  # as `seconds`: the drafter pass alone (None: zeros, all is verify)
     # A ragged verify (rows of different sizes) costs the dense verify at its mean size moved this share of the
-    # way to its widest row's: attention runs on the padded layout. 1.0: as wide as its widest row, as measured
-    # on a CPU (scripts/ragged_verify.py); 0.0: only its real positions count.
+    # way to its widest row's: attention runs on the padded layout. 1.0: as wide as its widest row, what a CPU
+    # measures (docs/design.md); 0.0: only its real positions count.
     ragged_share: float = 1.0
 
     def __post_init__(self):
@@ -223,9 +223,6 @@ class CostModel:
         context (on a shared machine the fastest run is the step's own cost; a median of few runs
         was noise). The repeats go round the whole grid in turn, not one grid point after another:
         a slow spell of the machine then spoils one repeat of many points, not all repeats of a few.
-        (Back to back, three profiles of the same models on a noisy host gave 20.6 / 20.4 / 27.7 ms
-        for block 2 at batch 1 and 256 positions, and the trim, which reads the table as it is, cut
-        drafts in one run and not in the next.)
 
         Each step mirrors Engine.draft + Engine.verify on the greedy path: for b > 1 the drafter
         reads b context features (the most a step can leave pending) plus the block, then the
@@ -236,10 +233,8 @@ class CostModel:
         the same whatever they hold). Python bookkeeping outside the models is not timed.
         Tables are not smoothed: real ones are not always monotone (bf16 on CPU: block 2 is
         cheaper than block 1 at long contexts, SDPA's q=1 path is slow). Contexts: prompts of
-        chat (~100-300 tokens) to RAG (~700-1000) traffic; two contexts 224 positions apart gave
-        a slope lost in timing noise (long prompts then costed wrong). Cost: (repeats + 1) steps
-        per grid point and context; the default 5 x 5 grids at 3 contexts on SmolLM2-135M in
-        bf16 take ~25 s on one CPU core (a smaller grid or repeats=1 for less).
+        chat (~100-300 tokens) to RAG (~700-1000) traffic, far enough apart that the slope between
+        them is not timing noise. Cost: (repeats + 1) steps per grid point and context.
         """
         if drafter is None:
             block_sizes = (1,)
@@ -339,15 +334,12 @@ def shrunk_acceptance(accepted, reached, toward: list[float], weight: float, cha
     position: (accepted_k + weight * toward_k) / (reached_k + weight). A position never reached
     takes the one before's estimate times toward's step between the two (toward_k / toward_k-1): a
     request better than `toward` at its last drafted position is taken to be as much better past it.
-    With no drafts at all the result is `toward` itself. (Carrying the last estimate forward instead,
-    a request that had run block 2 only was expected to accept its second draft as often as its
-    first: 0.30 against 0.23 observed, and block 4 looked better than it was at batch 4.)
+    With no drafts at all the result is `toward` itself (carrying the last estimate forward instead
+    overrated later positions: docs/design.md).
     `chained`: past the first position, shrink towards the previous position's estimate instead
     (`toward` then only matters at position 1), and carry it forward where never reached (optimistic:
     a good pool tries a bigger block and so learns its later positions). Later positions are reached
-    less and less often, so a fixed prior weighs more there: with a prior of 0.5 the pool put the default
-    drafter's position 3 at 0.24 where 0.18 was observed; chained, 0.21 (fixed block 4, batch 4, chat:
-    scripts/policy_predictions.py).
+    less and less often, so a fixed prior would weigh more there.
     """
     if not reached or reached[0] == 0:
         return list(toward)
@@ -372,10 +364,8 @@ class ConfidenceCalibration:
     one, probability min(1, p/q) for the other), pooled over positions and shrunk towards the confidence
     itself (what a calibrated drafter would give) with `prior_weight` drafts; and per position group
     (draft 1, 2, ..., `positions` and later together), each shrunk towards its bin's pooled estimate
-    with `prior_weight` drafts. Later drafts hold less often at the same confidence: for the default
-    drafter at fixed block 4 (chat, batch 1), confidence 0.2-0.4 held 25% of the time at position 1
-    and 17% at position 2 (agent: 24% and 20%); pooled, the trim took position 2 and 3 drafts for
-    better than they were. A bin keeps at most `max_count` drafts' worth of counts, so it follows a
+    with `prior_weight` drafts. Later drafts hold less often at the same confidence (pooled, the trim
+    took position 2 and 3 drafts for better than they were: docs/design.md). A bin keeps at most `max_count` drafts' worth of counts, so it follows a
     changing workload. Plain lists: a step's handful of drafts costs less in Python than in tensor ops
     (this runs every step).
     """
@@ -532,18 +522,15 @@ class AdaptiveBlockPolicy(BlockPolicy):
     way; counting it keeps m at the step's real rate. With the drafts in hand this verifies as far as they
     are likely to hold, step by step: what no fixed block can do. Where only real positions cost
     (ragged_share 0) it verifies the likely drafts of any request and skips the rest; on a CPU a ragged
-    verify costs about what its widest row's dense one does (share ~1, scripts/ragged_verify.py), and
-    cutting rows short below the widest saved nothing: the trim then picks one width for the step
-    (before stop 23 it costed the mean only, and adaptive ran 0.95-0.99x fixed block 2 at batch 4 and 16).
+    verify costs about what its widest row's dense one does (share ~1), and cutting rows short below
+    the widest saves nothing: the trim then picks one width for the step.
 
     Acceptance estimates for choose (conditional, per draft position):
     - request i: what it drafted, counted as ExpectedAcceptance (verified drafts as observed, trimmed
       ones at their calibrated expectation), shrunk towards the pool with weight `request_drafts`: a
       new request starts at the pool's estimate and its own data dominates after ~request_drafts
-      drafts. 32, not 8: at a pooled acceptance of ~0.2, 8 unlucky drafts sent a third of the steps
-      of one-at-a-time traffic to block 1, 1-2% below the best fixed block; with 32 it is at or above
-      it (scripts/policy_ab.py). A request the policy has seen no verified draft of (a caller that
-      never reports them) is read from its SpecStats.
+      drafts (32, not 8: a few unlucky drafts must not send a request to block 1). A request the
+      policy has seen no verified draft of (a caller that never reports them) is read from its SpecStats.
     - engine-wide pool: every request's drafts, shrunk with weight `min_drafts` towards `prior` at
       position 1 (a float, or one value per position: then the first) and towards its own estimate of
       the position before at later ones (`shrunk_acceptance(chained=True)`); it forgets old data by
@@ -552,20 +539,16 @@ class AdaptiveBlockPolicy(BlockPolicy):
     time (`observe_step`), and the policy keeps, per drafted block size, a running mean of real /
     profiled seconds (CALIBRATION_WEIGHT steps' memory); a block never run borrows the mean of the
     others, and its first steps are averaged with that mean (CALIBRATION_PRIOR_STEPS): one slow first
-    step of block 2 (1.45x its profile, against 1.14x in steady use) had made it look too dear to be
-    chosen again (batch 4, chat). The profile times the models alone, so it missed what a real step adds (on an AVX2 host in
-    float32, batch 1, chat: block 1 ran 11% over its profile, blocks 2 and 4 5% and 12% under it, and
-    the policy chose block 1 too often: 0.97-0.98x the best fixed block in `dflash-serve bench`).
+    step must not make a block look too dear to be chosen again. The profile times the models alone,
+    so it misses what a real step adds; the calibration learns it.
     A drafting step that follows block-1 steps is not calibrated: the drafter first takes in the
     features those steps left it (`caught_up` > 2 x block), a cost of the block-1 steps that drafting
-    now or later pays the same. Counted, it made block 2 look 19% dearer after 32 block-1 steps (batch
-    8, chat): the rarer drafting was, the dearer it looked, and under load the policy stayed at block 1
-    (a load test's RAG at 4 users: 1,138 of 1,177 steps; fixed block 2 was 9% faster).
+    now or later pays the same. Counted, the rarer drafting was, the dearer it looked, and under load
+    the policy stayed at block 1.
     Every step also costs what the engine's caller spends between steps (`observe_gap`: a server streams
     each step's tokens to its clients), once per step whatever the block: a running mean of it is added to
-    every step's cost, which favours blocks that need fewer steps. In this repo's Ray Serve replica on a CPU
-    it measured 0.5-1.3 ms against 30-300 ms steps (agent traffic at 4 and 16 users); on a GPU, where a
-    step takes milliseconds, the same streaming is a larger share.
+    every step's cost, which favours blocks that need fewer steps (a small share on a CPU, a larger one on
+    a GPU, where a step takes milliseconds). The measurements behind these rules are in docs/design.md.
     Exploration rule: block 1 yields no acceptance data, so after `explore_every` steps in a row
     where the policy chose block 1 although some request could draft, the next step probes with
     the smallest block > 1 in `block_sizes`; while probes find nothing worth drafting the interval
@@ -600,9 +583,8 @@ class AdaptiveBlockPolicy(BlockPolicy):
         """Profile a CostModel on these models and return the policy over its block sizes.
 
         Grids: 1, 2, 4, ... up to max_block_size / max_batch_size (or `block_sizes=`/`batch_sizes=`), and
-        every block up to EVERY_BLOCK_UP_TO: the policy drafts only blocks of its grid. (With powers of two
-        alone a server capped at block 4 drafted 2 or 4, and fixed block 3 was the fastest fixed block in 8
-        of 9 lockstep cells of stop 24, adaptive 0.97-1.01x of it.) With `path`, a table saved there for the
+        every block up to EVERY_BLOCK_UP_TO: the policy drafts only blocks of its grid (with powers of two
+        alone, a server capped at block 4 could not draft block 3, often the best). With `path`, a table saved there for the
         same models and grids is reused, else the new one is saved there. Other keywords go to
         CostModel.profile (contexts, repeats).
         """

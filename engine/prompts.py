@@ -1,7 +1,8 @@
 """Benchmark prompts: the built-in defaults and the JSONL prompt-file format.
 
 A prompt file has one JSON object per line: {"prompt": "..."} (raw text, tokenised as is) or
-{"messages": [...]} (chat messages, run through the tokenizer's chat template).
+{"messages": [...]} (chat messages, run through the tokenizer's chat template). Other keys (a data set's
+ids, answers, ...) are ignored.
 """
 
 import json
@@ -11,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     role: str
     content: str
 
@@ -19,14 +20,16 @@ class Message(BaseModel):
 class Prompt(BaseModel):
     """One benchmark prompt: raw text or chat messages, exactly one of the two."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
     prompt: str | None = None
     messages: list[Message] | None = None
 
     @model_validator(mode="after")
     def one_kind(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError('give exactly one of "prompt" or "messages"')
+        if self.prompt is None and self.messages is None:
+            raise ValueError('no "prompt" (text) or "messages" (chat) in it')
+        if self.prompt is not None and self.messages is not None:
+            raise ValueError('give one of "prompt" or "messages", not both')
         if self.prompt == "" or self.messages == []:
             raise ValueError("the prompt is empty")
         return self

@@ -1,9 +1,10 @@
 """Locust users for chat, RAG and agent traffic over the OpenAI API, streaming.
 
-Run by `dflash-serve loadtest` (loadtest/run.py) as its own process, or by hand:
+Run by `dflash-serve loadtest` (loadtest/run.py) as its own process, or by hand (from the repository
+root; the traffic is built into the cache directory on first use unless --scenario-file names a file):
 
-    locust -f loadtest/locustfile.py --headless -u 4 -r 4 -t 60s --host http://127.0.0.1:8000 \
-        --scenario-file scenarios.json ChatUser
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000                  # web UI on :8089
+    locust -f loadtest/locustfile.py --headless -u 4 -r 4 -t 60s --host http://127.0.0.1:8000 ChatUser
 
 Every request is one streaming chat completion through the official `openai` client. Its
 latencies are Locust events named after the scenario, so Locust's stats, CSV and web UI show them:
@@ -33,7 +34,8 @@ _USERS_STARTED: Counter = Counter()  # scenario -> users started so far in this 
 
 @events.init_command_line_parser.add_listener
 def _arguments(parser):
-    parser.add_argument("--scenario-file", default="scenarios.json", help="traffic built by loadtest/scenarios.py")
+    parser.add_argument("--scenario-file", default=None,
+                        help="traffic built by loadtest/scenarios.py (default: built into the cache directory on first use)")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--think-time", type=float, default=0.0, help="mean exponential wait between requests (s)")
@@ -49,6 +51,11 @@ def _arguments(parser):
 @events.init.add_listener
 def _init(environment, **kw):
     SUMMARY["_environment"] = environment
+    options = environment.parsed_options
+    if options is not None and options.scenario_file is None:
+        from loadtest.scenarios import cached_file  # imports torch: only when the traffic is needed
+
+        options.scenario_file = str(cached_file(options.seed))
 
 
 @events.test_start.add_listener

@@ -9,10 +9,13 @@
   tool's real result (BM25 search over the same corpus, arithmetic, http.HTTPStatus). The user asks
   for a JSON tool call, sends the observation back and asks for a JSON answer.
 
-`build(path)` writes everything as one JSON file that loadtest/locustfile.py reads.
+`build(path)` writes everything as one JSON file that loadtest/locustfile.py reads; `cached_file()` is
+that file in the cache directory, built on first use.
 """
 
 import ast
+import fcntl
+import hashlib
 import json
 import random
 import re
@@ -20,6 +23,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 from engine.datagen import PromptItem, sharegpt_conversations, stdlib_modules, summary_line
+from engine.default_model import cache_dir
 from engine.prompts import Message, Prompt
 
 SEED = 0
@@ -229,3 +233,20 @@ def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:
     }
     Path(path).write_text(json.dumps(data, indent=1))
     return data
+
+
+def cached_file(seed: int = SEED) -> Path:
+    """The traffic `build` makes, in the cache directory: built on first use (one process builds, the
+    others wait for it), again when this module changes."""
+    version = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()[:12]
+    path = cache_dir() / "loadtest" / f"scenarios-{version}-seed{seed}.json"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            build(tmp, seed=seed)
+            tmp.rename(path)
+    return path

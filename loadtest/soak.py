@@ -12,12 +12,12 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deployments.config import AppConfig
+from engine.config import EngineConfig
 from loadtest.run import ROOT, USERS, LoadTestConfig, locust_command
 
 APP = "soak"
@@ -29,8 +29,8 @@ class SoakConfig:
     users: int = 12  # more than the default 8 slots: requests also queue
     max_tokens: int = 64
     sample_every: float = 10.0
-    policy: str = "fixed"
-    max_slots: int = 8
+    policy: str = EngineConfig.policy  # the server's: `dflash-serve serve` with no flags
+    max_slots: int = EngineConfig.max_slots
     num_cpus: float = 1.0
     out: str = "soak-report"
     seed: int = 0

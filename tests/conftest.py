@@ -59,3 +59,13 @@ def openai_client(base_url):
     import openai
 
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def exits_naming_the_flag(capsys, argv: list[str], message: str):
+    """`dflash-serve ARGV` exits with status 2 before any work, saying `message` on stderr."""
+    from dflash_serve import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -17,7 +17,7 @@ APP_NAME = "dflash-autoscaling-test"
 ROUTE = "/autoscale"
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
                "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 1}
-CONFIG = AppConfig(draft="random", dtype="float32", max_slots=4, num_cpus=0.5, autoscaling_config=AUTOSCALING)
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=0.5, autoscaling_config=AUTOSCALING)
 CLIENTS = 4
 # metrics_interval_s is deprecated in Ray 2.60 (in favour of environment variables) but still honoured
 pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
@@ -104,7 +104,7 @@ class Load:
 def test_load_scales_up_to_two_replicas_then_back_to_one(app_url):
     assert wait_for(lambda: running_replicas() == 1, 10, "one replica before the load") < 10
     handle = serve.get_deployment_handle("EngineReplica", APP_NAME)
-    assert handle.info.remote().result()["torch_threads"] == 1  # 0.5 CPUs still means one torch thread
+    assert handle.info.remote().result().torch_threads == 1  # 0.5 CPUs still means one torch thread
 
     with Load(app_url) as load:
         up = wait_for(lambda: running_replicas() == 2, SCALE_TIMEOUT_S, "two running replicas under load")

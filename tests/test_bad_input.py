@@ -17,7 +17,7 @@ from deployments.app import build_app
 from deployments.config import AppConfig
 
 APP_NAME = "dflash-bad-input"
-CONFIG = AppConfig(draft="random", dtype="float32", max_slots=2, max_len=256, num_cpus=1, request_timeout_s=60)
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=2, max_len=256, num_cpus=1, request_timeout_s=60)
 MAX_EXAMPLES = 30  # per operation and mode; the schemathesis run takes about a minute here
 
 
@@ -120,6 +120,10 @@ BAD = [  # (id, path, body (dict, or raw bytes), status, what the message must s
     ("lone-surrogate-in-chat", CHATS, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "content is not valid Unicode"),
     ("nan-temperature", COMPLETIONS, b'{"prompt": "Hi", "temperature": NaN}', 400, "temperature"),
+    ("temperature-over-2", CHATS, {**CHAT, "temperature": 2.5}, 400,
+     "temperature: Input should be less than or equal to 2 (got 2.5)"),
+    ("negative-temperature", CHATS, {**CHAT, "temperature": -0.1}, 400, "temperature: Input should be greater than"),
+    ("top-p-over-1", CHATS, {**CHAT, "top_p": 1.5}, 400, "top_p: Input should be less than or equal to 1"),
     ("infinite-top-p", COMPLETIONS, b'{"prompt": "Hi", "top_p": Infinity}', 400, "top_p"),
     ("negative-max-tokens", COMPLETIONS, {"prompt": "Hi", "max_tokens": -5}, 400, "max_tokens"),
     ("huge-max-tokens", COMPLETIONS, {"prompt": "Hi", "max_tokens": 10**30}, 400, "context length is 256 tokens"),
@@ -156,6 +160,15 @@ def test_bad_input_gets_a_clear_4xx(server, path, body, status, message):
     error = r.json()["error"]
     assert message in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.slow
+def test_sampling_ranges_are_openais_and_the_error_names_the_field(server):
+    """temperature in [0, 2], top_p in (0, 1]: outside, a 400 whose param is the field (a temperature of 50
+    once ran for minutes, sampling near-uniformly over the vocabulary)."""
+    for field, value in (("temperature", 2.01), ("temperature", 50), ("top_p", 1.01)):
+        r = httpx.post(server + CHATS, json={**CHAT, field: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
 
 
 @pytest.mark.slow

@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from engine import cli
+from conftest import exits_naming_the_flag
+from engine.config import EngineConfig
 
 LEVELS = [1, 2]
+RANDOM_FIXED = EngineConfig(draft="random", dtype="float32", policy="fixed")  # a fixed block: drafts to count
 PERCENTILE_KEYS = {"p50", "p90", "p99", "mean"}
 
 
@@ -20,9 +22,8 @@ def test_bench_serve_report(serve_cluster, tmp_path):
     from deployments import bench_serve
 
     # 0.5 CPUs per replica (torch still gets one thread): both apps fit beside another test module's app
-    cfg = bench_serve.ServeBenchConfig(concurrency=LEVELS, num_requests=2, max_tokens=8, draft="random",
-                                       dtype="float32", num_cpus=0.5, json=str(tmp_path / "r.json"),
-                                       plot=str(tmp_path / "r.png"))
+    cfg = bench_serve.ServeBenchConfig(concurrency=LEVELS, num_requests=2, max_tokens=8, engine=RANDOM_FIXED,
+                                       num_cpus=0.5, json=str(tmp_path / "r.json"), plot=str(tmp_path / "r.png"))
     report = bench_serve.run(cfg, cluster_url=serve_cluster)
 
     assert set(serve.status().applications).isdisjoint(bench_serve.APP_NAMES.values())  # cleaned up
@@ -60,7 +61,7 @@ def test_bench_serve_disaggregated(serve_cluster, tmp_path):
 
     from deployments import bench_serve
 
-    cfg = bench_serve.ServeBenchConfig(concurrency=[1], num_requests=2, max_tokens=8, draft="random", dtype="float32",
+    cfg = bench_serve.ServeBenchConfig(concurrency=[1], num_requests=2, max_tokens=8, engine=RANDOM_FIXED,
                                        num_cpus=0.5, variants=["server-disagg", "in-process"])
     report = bench_serve.run(cfg, cluster_url=serve_cluster)
 
@@ -89,7 +90,4 @@ def test_bench_serve_disaggregated(serve_cluster, tmp_path):
         "draft-none", "url", "plot", "json", "temperature", "num-prompts"])
 def test_bench_serve_bad_flags_fail_before_ray(argv, message, monkeypatch, capsys):
     monkeypatch.setattr("deployments.bench_serve.run", lambda cfg: pytest.fail("ran despite a bad flag"))
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["bench-serve", *argv])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    exits_naming_the_flag(capsys, ["bench-serve", *argv], message)

@@ -4,26 +4,32 @@ end as subprocesses on the default model."""
 
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from engine import cli
+from dflash_serve import cli
 from engine.bench import first_divergence, until_stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "dflash_serve.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture
 def prompt_files(tmp_path):
-    good = tmp_path / "good.jsonl"
-    good.write_text('{"prompt": "Hello"}\n{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    good = tmp_path / "good.jsonl"  # data sets carry ids and other keys: ignored
+    good.write_text('{"prompt": "Hello", "id": 7}\n{"id": "a", "messages": [{"role": "user", "content": "Hi", "name": "x"}], '
+                    '"answer": "Hello"}\n')
+    neither = tmp_path / "neither.jsonl"
+    neither.write_text('{"prompt": "Hello"}\n{"id": 3, "text": "Hello"}\n')
     bad_json = tmp_path / "bad_json.jsonl"
     bad_json.write_text('{"prompt": "Hello"}\n{"prompt": \n')
     both = tmp_path / "both.jsonl"
@@ -64,7 +70,8 @@ BAD_FLAGS = [  # (argv, text that stderr must contain)
     (["bench", "--plot", "out.pdf"], "--plot must be a .png"),
     (["bench", "--prompts", "{tmp}/missing.jsonl"], "--prompts {tmp}/missing.jsonl: no such file"),
     (["bench", "--prompts", "{tmp}/bad_json.jsonl"], "bad_json.jsonl:2:"),
-    (["bench", "--prompts", "{tmp}/both.jsonl"], 'both.jsonl:1: Value error, give exactly one of "prompt" or "messages"'),
+    (["bench", "--prompts", "{tmp}/both.jsonl"], 'both.jsonl:1: Value error, give one of "prompt" or "messages", not both'),
+    (["bench", "--prompts", "{tmp}/neither.jsonl"], 'neither.jsonl:2: Value error, no "prompt" (text) or "messages" (chat)'),
     (["bench", "--prompts", "{tmp}/good.jsonl", "--num-prompts", "3"], "--num-prompts 3: there are only 2 prompts"),
 ]
 
@@ -93,14 +100,16 @@ def test_serve_config_errors_stop_before_ray_starts(argv, message, capsys, monke
 
 
 def test_serve_flags_make_the_app_config():
-    from deployments.launch import app_config, reserved_cpus
+    from deployments.launch import reserved_cpus
 
     args = cli.build_parser()[0].parse_args(["serve", "--topology", "disaggregated", "--num-shards", "2",
-                                              "--shard-placement", "SPREAD", "--num-replicas", "2"])
-    config = app_config(args)
+                                              "--shard-placement", "SPREAD", "--num-replicas", "2",
+                                              "--policy", "fixed", "--max-slots", "4", "--prefill-token-budget", "512"])
+    config = cli.serve_config(args)
     assert (config.topology, config.num_shards, config.shard_placement) == ("disaggregated", 2, "SPREAD")
+    assert (config.engine.policy, config.engine.max_slots, config.engine.prefill_token_budget) == ("fixed", 4, 512)
     assert reserved_cpus(config) == 2 * (1 + 2) + 1  # 2 verifiers with 2 shards each, and a drafter
-    assert reserved_cpus(app_config(cli.build_parser()[0].parse_args(["serve"]))) == 1
+    assert reserved_cpus(cli.serve_config(cli.build_parser()[0].parse_args(["serve"]))) == 1
 
 
 def test_bad_flag_subprocess_exit_code():
@@ -127,6 +136,13 @@ def test_text_stream_holds_split_characters():
         writes.append(out.getvalue()[len(before):])
     assert out.getvalue() == "héllo €1 🙂!"
     assert not any("\ufffd" in w for w in writes)
+
+
+def test_prompt_files_ignore_keys_besides_prompt_and_messages(prompt_files):
+    from engine.prompts import read_prompts
+
+    prompts = read_prompts(prompt_files / "good.jsonl")
+    assert prompts[0].prompt == "Hello" and prompts[1].messages[0].content == "Hi"
 
 
 def test_divergence_helpers():
@@ -182,3 +198,52 @@ def test_bench_json_plot_and_exactness(tmp_path):
     assert batch["batch_size"] == 2 and set(batch["methods"]) == {"ar", "dflash"}
     assert batch["methods"]["dflash"]["matches_single"] is True
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def process_group(pgid: int) -> list[str]:
+    """The processes of group `pgid` still running (name and pid)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["name", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(f"{p.info['name']} ({p.pid})")
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_serve_stops_every_process_it_started(how, tmp_path):
+    """`dflash-serve serve` in its own process group; SIGTERM to it (what `kill` sends), or SIGINT to the whole
+    group (what Ctrl-C in a terminal sends): within 15 s no process of the group is left, Ray's
+    DashboardAgent and RuntimeEnvAgent included."""
+    from conftest import free_port
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "dflash_serve.cli", "serve", "--port", str(free_port()),
+                                   "--draft", "none", "--dtype", "float32"], cwd=ROOT, stdout=out,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "dflash-serve: serving" not in log.read_text():
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        assert "ray get-auth-token" in log.read_text()
+        started = process_group(server.pid)
+        assert len(started) > 3, started  # Ray's processes are in the group
+        if how == "SIGTERM":
+            server.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(server.pid, signal.SIGINT)
+        stopping = time.monotonic()
+        while process_group(server.pid) and time.monotonic() - stopping < 15:
+            time.sleep(0.5)
+        assert not process_group(server.pid), f"left after {how}: {process_group(server.pid)} (started: {started})"
+        assert server.wait(1) == 0
+    finally:
+        if process_group(server.pid):
+            os.killpg(server.pid, signal.SIGKILL)

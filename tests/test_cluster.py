@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import httpx
@@ -18,11 +19,11 @@ import yaml
 from conftest import ROOT, free_port, openai_client
 from deployments.app import target_placement
 from deployments.config import AppConfig
+from engine.config import EngineConfig
 from test_disaggregated import reference  # noqa: F401 (a fixture: the in-process engine on one node)
 
 CLUSTER = ROOT / "cluster"
 SCRIPT = ROOT / "scripts" / "local_cluster.sh"
-CHECKPOINTS = {"target", "draft"}  # folders on the GPU nodes, absent here
 BIN = ROOT / ".venv" / "bin"
 
 
@@ -45,9 +46,11 @@ def app_args(raw: dict) -> dict:
 def test_serve_configs_list_every_appconfig_field(name):
     args = app_args(yaml.safe_load((CLUSTER / name).read_text()))
     assert set(args) == set(AppConfig.model_fields), "args and AppConfig's fields differ"
+    assert set(args["engine"]) == {f.name for f in fields(EngineConfig)}, "engine and EngineConfig's fields differ"
     if name == "serve_config_gpu.yaml":
-        assert Path(args["target"]).is_absolute() and Path(args["draft"]).is_absolute()
-        args = {**args, "target": None, "draft": "random"}  # the checkpoints exist on the GPU nodes only
+        engine = args["engine"]
+        assert Path(engine["target"]).is_absolute() and Path(engine["draft"]).is_absolute()
+        args = {**args, "engine": {**engine, "target": None, "draft": "random"}}  # on the GPU nodes only
     config = AppConfig.model_validate(args)
     assert config.api_keys == []  # keys never live in a checked-in file
 
@@ -60,7 +63,7 @@ def test_loopback_serve_config_binds_only_loopback():
 
 def test_gpu_serve_config_fits_the_gpu_nodes():
     args = app_args(yaml.safe_load((CLUSTER / "serve_config_gpu.yaml").read_text()))
-    assert args["device"] == "cuda" and args["num_gpus"] == 1
+    assert args["engine"]["device"] == "cuda" and args["num_gpus"] == 1
     launcher = yaml.safe_load((CLUSTER / "ray_cluster_aws.yaml").read_text())
     gpu = launcher["available_node_types"]["gpu_worker"]
     assert gpu["resources"]["GPU"] >= args["num_gpus"] and gpu["resources"]["CPU"] >= args["num_cpus"]
@@ -232,8 +235,9 @@ def test_serve_deploy_to_a_local_two_node_cluster_answers(local_cluster, tmp_pat
 # The disaggregated topology on three one-CPU nodes. The drafter and the verifier replica (which keeps only
 # the slot bookkeeping) are pinned to node 0 and fill its CPU, so the two shards must go to the workers:
 # SPREAD puts them on one each (PACK puts both on one worker: this test then fails).
+PLACED_ENGINE = {"policy": "fixed", "dtype": "float32", "max_slots": 2}
 PLACED_ARGS = {
-    "topology": "disaggregated", "policy": "fixed", "dtype": "float32", "max_slots": 2, "max_ongoing_requests": None,
+    "topology": "disaggregated", "max_ongoing_requests": None,
     "num_replicas": 1, "autoscaling_config": None, "num_cpus": 0.5, "resources": {"dflash_node_0": 0.01},
     "num_shards": 2, "shard_placement": "SPREAD", "shard_num_cpus": 0.5,
     "drafter_num_cpus": 0.5, "drafter_resources": {"dflash_node_0": 0.01},
@@ -258,6 +262,7 @@ def test_disaggregated_shards_spread_over_nodes_answer_like_one_node(local_clust
     raw = yaml.safe_load((CLUSTER / "serve_config.yaml").read_text())
     args = raw["applications"][0]["args"]
     args.update(PLACED_ARGS)
+    args["engine"].update(PLACED_ENGINE)
     try:
         base = serve_deploy(raw, tmp_path, env, dashboard)
         node_names = {n["node_id"]: next(r for r in n["resources_total"] if r.startswith("dflash_node_"))

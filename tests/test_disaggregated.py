@@ -5,6 +5,7 @@ a replica loses mid-way is rebuilt by re-prefill from the router's committed tok
 """
 
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -13,10 +14,11 @@ from ray import serve
 from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
+from deployments.records import RequestParams
 
 APP_NAME = "dflash-disagg-test"
 PREFIX = "/disagg"
-CONFIG = AppConfig(topology="disaggregated", draft="random", dtype="float32", max_slots=2, num_cpus=0.5,
+CONFIG = AppConfig(policy="fixed", topology="disaggregated", draft="random", dtype="float32", max_slots=2, num_cpus=0.5,
                    drafter_num_cpus=0.5)
 CHAT_PROMPT = "Write a haiku about the sea."
 TEXT_PROMPT = "The three primary colours are"
@@ -45,16 +47,14 @@ def reference():
     """Text from a colocated Engine in this process with the server's loading settings."""
     import torch
 
-    from engine.engine import Engine, SamplingParams
-    from engine.loading import load, stop_token_ids
-    from engine.policy import FixedBlockPolicy
+    from engine.config import build_engine, load_models
+    from engine.engine import SamplingParams
     from engine.prompts import chat
 
     torch.set_num_threads(1)
-    loaded = load(CONFIG.target, CONFIG.draft, CONFIG.dtype, CONFIG.device)
-    block_size = loaded.drafter.config.block_size
-    engine = Engine(loaded.target, loaded.drafter, max_slots=1, max_len=CONFIG.max_len,
-                    policy=FixedBlockPolicy(block_size), stop_token_ids=stop_token_ids(loaded.target_path))
+    loaded = load_models(CONFIG.engine)
+    block_size = CONFIG.engine.max_block_size(loaded.drafter)
+    engine = build_engine(replace(CONFIG.engine, max_slots=1), loaded)
     tokenizer = loaded.tokenizer
 
     class Reference:
@@ -101,10 +101,10 @@ def chat_text(client, prompt, stream=False, **kw) -> str:
 @pytest.mark.slow
 def test_config_and_topology(server, handles):
     info = handles["Router"].info.remote().result()
-    assert info["topology"] == "disaggregated" and info["torch_threads"] == 1 and info["max_slots"] == CONFIG.max_slots
-    assert handles["DrafterReplica"].info.remote().result()["torch_threads"] == 1
+    assert info.topology == "disaggregated" and info.torch_threads == 1 and info.max_slots == CONFIG.engine.max_slots
+    assert handles["DrafterReplica"].info.remote().result().torch_threads == 1
     health = httpx.get(f"{server}/health").json()
-    assert health["status"] == "ok" and health["engine"]["total"] == CONFIG.max_slots
+    assert health["status"] == "ok" and health["engine"]["total"] == CONFIG.engine.max_slots
 
 
 @pytest.mark.slow
@@ -150,8 +150,8 @@ def test_client_disconnect_mid_stream_frees_both_replicas(server, handles):
 def test_router_stream_closed_mid_way_frees_both_replicas(reference, handles):
     """The same at the router's own stream, checking the state was held in both replicas when it closed."""
     stream = handles["Router"].options(stream=True).generate.remote(
-        reference.text_ids(TEXT_PROMPT), {"max_tokens": 400, "temperature": 0.0})
-    assert next(stream)["token_ids"]
+        reference.text_ids(TEXT_PROMPT), RequestParams(max_tokens=400, temperature=0.0))
+    assert next(stream).token_ids
     deadline = time.monotonic() + 5  # the drafter takes the request's state on its first draft call
     while used(handles) != (1, 1):  # still decoding its 400 tokens
         assert time.monotonic() < deadline, f"state not held in both replicas: {used(handles)}"
@@ -182,19 +182,18 @@ def test_adaptive_drafter_learns_from_the_verifier_and_stays_exact(serve_cluster
     sees exactly the router's blocks but the last (no draft call follows it). Greedy text unchanged."""
     import torch
 
-    from engine.engine import Engine, SamplingParams
-    from engine.loading import load, stop_token_ids
-    from engine.policy import FixedBlockPolicy
+    from engine.config import build_engine, load_models
+    from engine.engine import SamplingParams
     from engine.prompts import chat
 
     base = deploy(build_app(ADAPTIVE), "dflash-disagg-adaptive", serve_cluster, "/disagg-adaptive")
     try:
         drafter = serve.get_deployment_handle("DrafterReplica", "dflash-disagg-adaptive")
-        assert drafter.info.remote().result()["policy"] == "adaptive"
+        assert drafter.info.remote().result().policy == "adaptive"
         torch.set_num_threads(1)
-        loaded = load(ADAPTIVE.target, "none", ADAPTIVE.dtype)
-        plain = Engine(loaded.target, None, max_slots=1, policy=FixedBlockPolicy(1),
-                       stop_token_ids=stop_token_ids(loaded.target_path))
+        plain_config = replace(ADAPTIVE.engine, draft="none", max_slots=1)
+        loaded = load_models(plain_config)
+        plain = build_engine(plain_config, loaded)
         client = openai_client(base)
         for prompt in (CHAT_PROMPT, "Name three rivers in Europe."):
             before = drafter.stats.remote().result()["spec_decoding"]

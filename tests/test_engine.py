@@ -5,6 +5,7 @@ Tiny random models cover the maths; the default model (slow) covers the real thi
 
 import math
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -225,17 +226,14 @@ def test_prefill_groups_fit_the_budget_in_arrival_order():
     assert prefill_group(rows, 80) == rows
 
 
-def test_new_prompts_alternate_with_decode_steps_and_outputs_stay_exact(monkeypatch):
+def test_new_prompts_alternate_with_decode_steps_and_outputs_stay_exact():
     """A request arriving while others decode: its prefill and the running requests' decode steps
     alternate (one budget-sized prefill group at a time), and greedy outputs equal each request alone."""
-    import engine.engine as engine_module
-
-    monkeypatch.setattr(engine_module, "PREFILL_TOKEN_BUDGET", 8)
     target, drafter = tiny_models()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 1], [2, 3, 4, 5], [6, 7]]
     params = lambda: SamplingParams(max_tokens=12, block_size=4)
     alone = [Engine(target, drafter).generate_batch([p], params())[0].output_ids for p in prompts]
-    engine = Engine(target, drafter, max_slots=4)
+    engine = Engine(target, drafter, max_slots=4, prefill_token_budget=8)
     first = engine.add_request(prompts[0], params())
     assert [o.request_id for o in engine.step()] == [first.request_id]  # its prefill
     engine.step()  # a decode step
@@ -259,8 +257,7 @@ def test_long_backlogs_are_taken_in_apart_with_the_same_drafts(monkeypatch):
     shorts, long_prompt = random_prompts(3, TINY.vocab_size, seed=2), random_prompts(1, TINY.vocab_size, lo=300, hi=300)[0]
 
     def draft_once(call_positions):
-        engine = Engine(target, drafter, max_slots=4, policy=FixedBlockPolicy(4))
-        engine.backlog_call_positions = call_positions
+        engine = Engine(target, drafter, max_slots=4, policy=FixedBlockPolicy(4), backlog_call_positions=call_positions)
         taken = []
         take = engine.drafter.take_context
         monkeypatch.setattr(engine.drafter, "take_context", lambda f, *a: taken.append(f.shape[1]) or take(f, *a))
@@ -355,17 +352,17 @@ def test_bad_prompts_and_mismatched_drafter():
 @pytest.mark.slow
 def test_default_model_dflash_equals_target_greedy_batched():
     """float32, default model: DFlash output equals plain greedy decoding, alone and as a batch of 8."""
-    from engine.loading import load, stop_token_ids
+    from engine.config import EngineConfig, build_engine, load_models
 
-    loaded = load(dtype="float32", draft="random")
-    stops = stop_token_ids(loaded.target_path)
+    config = EngineConfig(dtype="float32", draft="random", policy="fixed")
+    loaded = load_models(config)
     questions = ["What is 2+2?", "Name three colors.", "Write a haiku about rain.", "Say hello in French.",
                  "Explain what a CPU does in one long sentence with many details.", "List two fruits.",
                  "Why is the sky blue?", "Count from one to five."]
     prompts = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False) for q in questions]
-    reference = greedy_outputs(Engine(loaded.target, max_slots=8, stop_token_ids=stops), prompts, 24)
-    engine = Engine(loaded.target, loaded.drafter, max_slots=8, stop_token_ids=stops)
+    reference = greedy_outputs(build_engine(replace(config, draft="none"), loaded), prompts, 24)
+    engine = build_engine(config, loaded)
     assert greedy_outputs(engine, prompts, 24) == reference
     assert engine.generate_batch(prompts[:1], SamplingParams(max_tokens=24))[0].output_ids == reference[0]
     assert engine.target_cache.num_used == 0

@@ -11,6 +11,7 @@ after the deadline, its state freed.
 import asyncio
 import time
 from collections import Counter
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -24,13 +25,14 @@ from deployments import disaggregated
 from deployments.app import build_app
 from deployments.config import AppConfig
 from deployments.engine_replica import EngineRequestError
+from deployments.records import Drafted, Lost, Prefilled, RequestParams, Verified
 from engine.engine import SamplingParams
 from test_disaggregated import wait_for_no_state
 from test_shards import SHARD_CPUS, shard_groups
 
 APP_NAME = "dflash-faults-test"
 PREFIX = "/faults"
-CONFIG = AppConfig(topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5)
+CONFIG = AppConfig(policy="fixed", topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5)
 SHARDED_CONFIG = AppConfig(**{**CONFIG.model_dump(), "num_shards": 2, "shard_num_cpus": SHARD_CPUS})
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MAX_TOKENS = 48
@@ -147,7 +149,7 @@ SHARD_DIED = RayTaskError("verify", "", ActorDiedError(), proctitle="stand-in", 
 
 class StandIns:
     """A verifier and a drafter holding one request's state, answering like the replicas: the verifier's
-    next token is the last one + 1 (no draft accepted); a replica without the state answers missing.
+    next token is the last one + 1 (no draft accepted); a replica without the state answers Lost.
     `dying` maps a method to the numbers of its calls that raise `error` (the replica died under the
     call and lost the state), or to "always"; with `hang`, every call after a death waits forever."""
 
@@ -166,28 +168,28 @@ class StandIns:
             raise self.error
 
     async def info(self):
-        return {"stop_token_ids": []}
+        return SimpleNamespace(stop_token_ids=())
 
     async def prefill(self, request_id, prompt_ids, output_ids, params, verify_rng):
         await self._enter("prefill", "verifier")
         self.has_state["verifier"] = True
-        params = params if isinstance(params, SamplingParams) else SamplingParams(**params)
-        return {"params": params, "token_ids": [] if output_ids else [10], "verify_rng": None,
-                "features": torch.zeros(len(prompt_ids) + len(output_ids), 1)}
+        if isinstance(params, RequestParams):
+            params = SamplingParams(**{k: v for k, v in asdict(params).items() if v is not None})
+        return Prefilled(params, [] if output_ids else [10], torch.zeros(len(prompt_ids) + len(output_ids), 1), None)
 
     async def verify(self, request_id, block_ids, draft_probs):
         await self._enter("verify", "verifier")
         if not self.has_state["verifier"]:
-            return {"missing": True}
-        return {"num_accepted": 0, "token_ids": [block_ids[0] + 1], "features": torch.zeros(1, 1), "verify_rng": None}
+            return Lost()
+        return Verified(0, [block_ids[0] + 1], torch.zeros(1, 1), None)
 
     async def draft(self, request_id, new_ids, features, start):
         await self._enter("draft", "drafter")
         if start is not None:
             self.has_state["drafter"] = True
         if not self.has_state["drafter"]:
-            return {"missing": True}
-        return {"block_ids": [new_ids[-1]], "draft_probs": None, "draft_rng": None}
+            return Lost()
+        return Drafted([new_ids[-1]], None, None)
 
     async def free(self, request_id):
         self.freed.append(request_id)
@@ -229,8 +231,8 @@ async def stream(router, max_tokens=8) -> list[int]:
     """One request's streamed token ids; then until its frees have reached both replicas."""
     token_ids = []
     try:
-        async for chunk in router.generate([1, 2, 3], {"max_tokens": max_tokens}):
-            token_ids += chunk["token_ids"]
+        async for chunk in router.generate([1, 2, 3], RequestParams(max_tokens=max_tokens)):
+            token_ids += chunk.token_ids
     finally:
         await router.wait_for_frees()
     return token_ids

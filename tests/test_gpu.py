@@ -1,10 +1,13 @@
 """The CUDA path: the same exactness checks as on the CPU, on the default model. Skipped without a
-GPU (this project's machines have none; scripts/gpu_check.sh runs these on a lent GPU machine)."""
+GPU (this project's machines have none; `scripts/gpu_run.sh check` runs these on a lent GPU machine)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.engine import Engine, SamplingParams
+from engine.config import EngineConfig, build_engine, load_models
+from engine.engine import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,11 +18,12 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about rain.", "Explain what a CPU do
              "List three prime numbers."]
 
 
+CONFIG = EngineConfig(dtype="float32", draft="random", device="cuda", policy="fixed", max_slots=4)
+
+
 @pytest.fixture(scope="module")
 def loaded():
-    from engine.loading import load
-
-    return load(dtype="float32", draft="random", device="cuda")
+    return load_models(CONFIG)
 
 
 def chat_ids(tokenizer, question):
@@ -41,19 +45,16 @@ def test_logits_match_transformers_on_cuda(loaded):
 
 
 def test_dflash_equals_greedy_batched_on_cuda(loaded):
-    from engine.loading import stop_token_ids
-
-    stops = stop_token_ids(loaded.target_path)
     prompts = [chat_ids(loaded.tokenizer, q) for q in QUESTIONS]
-    reference = [r.output_ids for r in Engine(loaded.target, max_slots=4, stop_token_ids=stops)
+    reference = [r.output_ids for r in build_engine(replace(CONFIG, draft="none"), loaded)
                  .generate_batch(prompts, SamplingParams(max_tokens=32))]
-    engine = Engine(loaded.target, loaded.drafter, max_slots=4, stop_token_ids=stops)
+    engine = build_engine(CONFIG, loaded)
     assert [r.output_ids for r in engine.generate_batch(prompts, SamplingParams(max_tokens=32))] == reference
     assert engine.target_cache.num_used == 0
 
 
 def test_seeded_sampling_on_cuda(loaded):
-    engine = Engine(loaded.target, loaded.drafter, max_slots=2)
+    engine = build_engine(replace(CONFIG, max_slots=2), loaded)
     prompt = chat_ids(loaded.tokenizer, QUESTIONS[1])
     runs = [engine.generate_batch([prompt], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7))[0]
             for _ in range(2)]

@@ -19,7 +19,7 @@ from deployments.config import AppConfig
 
 APP_NAME = "dflash-limits"
 KEY = "sk-test-0123456789abcdef"
-CONFIG = AppConfig(draft="random", dtype="float32", max_slots=1, num_cpus=1, max_queued_requests=1,
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=1, num_cpus=1, max_queued_requests=1,
                    request_timeout_s=4, api_keys=[KEY], max_request_bytes=16384)
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 CANARY = "zebra-canary-prompt-31337"  # a prompt that must never reach a log
@@ -253,7 +253,7 @@ def test_no_prompt_or_key_in_the_logs(server):
 
 def test_keys_never_show_in_the_config_repr_and_come_from_flag_and_environment(monkeypatch):
     from deployments.launch import app_config
-    from engine.cli import build_parser
+    from dflash_serve.cli import build_parser
 
     monkeypatch.setenv("DFLASH_API_KEYS", " sk-env-1 ,sk-env-2,")
     args = build_parser()[0].parse_args(["serve", "--api-key", "sk-flag", "--request-timeout-s", "30",

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from engine import cli
+from conftest import exits_naming_the_flag
 
 
 def test_traffic_is_real_and_held_out(tmp_path):
@@ -188,26 +188,64 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
         assert cmp["b2"]["tokens_per_s_x"] > 0 and cmp["adaptive"]["tpot_x"] > 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--scenarios", "chat,video"], "--scenarios: unknown or none: video"),
-    (["--users", "0,4"], "--users must be a list of integers >= 1"),
-    (["--variants", "ar,b0"], "--variants: unknown or none: b0"),
-    (["--variants", "fast"], "--variants: unknown or none: fast"),
-    (["--run-time", "0"], "--run-time must be > 0"),
-    (["--max-requests", "0"], "--max-requests must be >= 1"),
-    (["--requests-per-user", "-1"], "--requests-per-user must be >= 0"),
-    (["--min-requests", "-1"], "--min-requests must be >= 0"),
-    (["--repeats", "0"], "--repeats must be >= 1"),
-    (["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
-    (["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
-    (["--out", "/nonexistent/folder/report"], "--out /nonexistent/folder/report: the folder"),
-    (["--draft", "/nonexistent"], "--draft /nonexistent: no drafter there"),
+@pytest.mark.slow
+def test_locust_by_its_own_convention_builds_the_traffic_on_first_use(serve_cluster, tmp_path):
+    """`locust -f loadtest/locustfile.py --host URL --headless ... RagUser`, with no --scenario-file: the traffic
+    is built into the cache directory on first use and the users run against a real server."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ray import serve
+
+    from conftest import ROOT, deploy
+    from deployments.app import build_app
+    from deployments.config import AppConfig
+
+    url = deploy(build_app(AppConfig(draft="none", dtype="float32", max_slots=2, num_cpus=0.3)), "locust-own",
+                 serve_cluster, "/locust-own")
+    try:
+        env = dict(os.environ, DFLASH_SERVE_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+        locust = Path(sys.executable).parent / "locust"
+        r = subprocess.run([str(locust), "-f", "loadtest/locustfile.py", "--host", url, "--headless", "-u", "1", "-t",
+                            "60s", "--max-requests", "2", "--max-tokens", "4", "--summary-json",
+                            str(tmp_path / "summary.json"), "RagUser"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert list((tmp_path / "cache" / "loadtest").glob("scenarios-*.json"))
+        rag = json.loads((tmp_path / "summary.json").read_text())["rag"]
+        assert rag["requests"] >= 2 and rag["failures"] == 0, rag
+    finally:
+        serve.delete("locust-own")
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("loadtest", ["--scenarios", "chat,video"], "--scenarios: unknown or none: video"),
+    ("loadtest", ["--users", "0,4"], "--users must be a list of integers >= 1"),
+    ("loadtest", ["--variants", "ar,b0"], "--variants: unknown or none: b0"),
+    ("loadtest", ["--variants", "fast"], "--variants: unknown or none: fast"),
+    ("loadtest", ["--run-time", "0"], "--run-time must be > 0"),
+    ("loadtest", ["--max-requests", "0"], "--max-requests must be >= 1"),
+    ("loadtest", ["--requests-per-user", "-1"], "--requests-per-user must be >= 0"),
+    ("loadtest", ["--min-requests", "-1"], "--min-requests must be >= 0"),
+    ("loadtest", ["--repeats", "0"], "--repeats must be >= 1"),
+    ("loadtest", ["--shape", "poisson", "--think-time", "0"], "--think-time must be > 0"),
+    ("loadtest", ["--url", "http://10.0.0.1:8000"], "--url must be a loopback address"),
+    ("loadtest", ["--out", "/nonexistent/folder/report"], "--out /nonexistent/folder/report: the folder"),
+    ("loadtest", ["--draft", "/nonexistent"], "--draft /nonexistent: no drafter there"),
+    ("soak", ["--minutes", "0"], "--minutes must be > 0"),
+    ("soak", ["--users", "0"], "--users must be >= 1"),
+    ("soak", ["--sample-every", "-1"], "--sample-every must be > 0"),
+    ("soak", ["--max-slots", "0"], "--max-slots must be >= 1"),
+    ("lockstep", ["--scenarios", "chat,video"], "--scenarios: unknown or none: video"),
+    ("lockstep", ["--variants", "b2,fast"], "--variants: unknown or none: fast"),
+    ("lockstep", ["--batch", "0"], "--batch must be >= 1"),
+    ("lockstep", ["--max-block", "0"], "--max-block must be >= 1"),
+    ("lockstep", ["--draft", "/nonexistent"], "--draft /nonexistent: no drafter there"),
 ])
-def test_loadtest_flags(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["loadtest", *argv])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+def test_bad_flags_fail_naming_the_flag(command, argv, message, capsys):
+    exits_naming_the_flag(capsys, [command, *argv], message)
 
 
 def test_request_limit_per_user_with_a_floor():
@@ -237,8 +275,8 @@ def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
 
     from loadtest import soak
 
-    cfg = soak.SoakConfig(minutes=0.3, users=3, max_tokens=16, sample_every=3, max_slots=2, num_cpus=0.5,
-                          out=str(tmp_path / "soak"))
+    cfg = soak.SoakConfig(minutes=0.3, users=3, max_tokens=16, sample_every=3, policy="fixed", max_slots=2,
+                          num_cpus=0.5, out=str(tmp_path / "soak"))
     report = soak.run(cfg, cluster_url=serve_cluster)
 
     assert soak.APP not in serve.status().applications
@@ -251,14 +289,17 @@ def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
     assert (tmp_path / "soak" / "soak.png").stat().st_size > 0 and "# Soak" in (tmp_path / "soak" / "soak.md").read_text()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--minutes", "0"], "--minutes must be > 0"),
-    (["--users", "0"], "--users must be >= 1"),
-    (["--sample-every", "-1"], "--sample-every must be > 0"),
-    (["--max-slots", "0"], "--max-slots must be >= 1"),
-])
-def test_soak_flags(argv, message, capsys):
-    with pytest.raises(SystemExit) as e:
-        cli.main(["soak", *argv])
-    assert e.value.code == 2
-    assert message in capsys.readouterr().err
+@pytest.mark.slow
+def test_lockstep_compares_policies_on_the_same_requests(tmp_path):
+    """`dflash-serve lockstep`: every variant's engine decodes the same conversations, turn by turn, the engines
+    taking turns; greedy, so with the same model every lane commits the same tokens; the report is written."""
+    from loadtest import lockstep
+
+    cfg = lockstep.LockstepConfig(scenarios=["agent"], batch=[2], prompts=2, turns="all", variants=["b1", "b2", "adaptive"],
+                                  max_block=2, max_tokens=8, out=str(tmp_path / "lockstep"))
+    (cell,) = lockstep.run(cfg)
+    assert set(cell["tok_s"]) == {"b1", "b2", "adaptive"} and all(r > 0 for r in cell["tok_s"].values())
+    assert cell["best_fixed"] == "b2" and cell["adaptive_vs_best_fixed"] > 0 and cell["adaptive_vs_b1"] > 0
+    assert set(cell["verified_rows_by_block"]["b1"]) == {1} and 2 in cell["verified_rows_by_block"]["b2"]
+    report = (tmp_path / "lockstep" / "report.md").read_text()
+    assert "| agent | 2 |" in report and (tmp_path / "lockstep" / "lockstep.png").stat().st_size > 0

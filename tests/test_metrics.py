@@ -16,7 +16,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +28,6 @@ from conftest import ROOT, deploy, free_port, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 from deployments.dashboards import build_dashboard, panel_queries
-
-sys.path.insert(0, str(ROOT / "scripts"))
 
 pytestmark = pytest.mark.slow
 
@@ -149,7 +146,7 @@ def load_run(serve_cluster, repeat_drafter, prometheus):
     {topology: (application, model, [usage of every request])} and the run's start time."""
     runs = {}
     for topology, (app, prefix, sizes) in TOPOLOGIES.items():
-        config = AppConfig(draft=repeat_drafter, dtype="float32", model_name=app, **sizes)
+        config = AppConfig(policy="fixed", draft=repeat_drafter, dtype="float32", model_name=app, **sizes)
         runs[topology] = (app, app, openai_client(deploy(build_app(config), app, serve_cluster, prefix)), [])
     start = time.time()
     try:
@@ -257,9 +254,9 @@ def _history(url: str, selector: str, start: float) -> str:
 
 
 def test_plot_of_a_panel_from_prometheus(prometheus, load_run, tmp_path):
-    """scripts/plot_prometheus.py draws panels' series from Prometheus, both topologies in one figure.
+    """`dflash-serve plot-panel` draws panels' series from Prometheus, both topologies in one figure.
     DFLASH_METRICS_PLOT_DIR=docs/metrics keeps the figures (the README's come from this run)."""
-    from plot_prometheus import plot_panel
+    from deployments.dashboards import plot_panel
 
     runs, start = load_run
     folder = Path(os.environ.get("DFLASH_METRICS_PLOT_DIR", tmp_path))

@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,7 +27,7 @@ from deployments.ingress import IncrementalText
 ROOT = Path(__file__).resolve().parent.parent
 
 APP_NAME = "dflash-test"
-CONFIG = AppConfig(draft="random", dtype="float32", max_slots=4, num_cpus=1)
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=1)
 CHAT_PROMPT = "Write a haiku about the sea."
 TEXT_PROMPT = "The three primary colours are"
 MAX_TOKENS = 24
@@ -57,15 +58,13 @@ def reference():
     """Greedy text from an Engine in this process with the server's loading settings."""
     import torch
 
-    from engine.engine import Engine, SamplingParams
-    from engine.loading import load, stop_token_ids
-    from engine.policy import FixedBlockPolicy
+    from engine.config import build_engine, load_models
+    from engine.engine import SamplingParams
 
     torch.set_num_threads(1)
-    loaded = load(CONFIG.target, CONFIG.draft, CONFIG.dtype, CONFIG.device)
-    block_size = CONFIG.block_size or loaded.drafter.config.block_size
-    engine = Engine(loaded.target, loaded.drafter, max_slots=1, max_len=CONFIG.max_len,
-                    policy=FixedBlockPolicy(block_size), stop_token_ids=stop_token_ids(loaded.target_path))
+    loaded = load_models(CONFIG.engine)
+    block_size = CONFIG.engine.max_block_size(loaded.drafter)
+    engine = build_engine(replace(CONFIG.engine, max_slots=1), loaded)
     tokenizer = loaded.tokenizer
 
     class Reference:
@@ -119,13 +118,13 @@ def sse_events(response: httpx.Response) -> list:
 @pytest.mark.slow
 def test_health_models_and_replica_info(server, replica):
     info = replica.info.remote().result()
-    assert info["torch_threads"] == CONFIG.torch_threads == 1  # never more threads than reserved CPUs
-    assert info["drafter"] == "random" and info["dtype"] == "float32" and info["max_slots"] == CONFIG.max_slots
+    assert info.torch_threads == CONFIG.torch_threads == 1  # never more threads than reserved CPUs
+    assert info.drafter == "random" and info.dtype == "float32" and info.max_slots == CONFIG.engine.max_slots
     health = httpx.get(f"{server}/health").json()
-    assert health["status"] == "ok" and health["engine"]["total"] == CONFIG.max_slots
+    assert health["status"] == "ok" and health["engine"]["total"] == CONFIG.engine.max_slots
     models = httpx.get(f"{server}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [CONFIG.model_name]
-    assert models["data"][0]["max_model_len"] == CONFIG.max_len
+    assert models["data"][0]["max_model_len"] == CONFIG.engine.max_len
 
 
 @pytest.mark.slow
@@ -240,9 +239,9 @@ BAD_REQUESTS = [  # (id, path, body (dict or raw bytes), status, text the error 
     ("missing-prompt", "/v1/completions", {"max_tokens": 4}, 400, "prompt: Field required", "prompt"),
     ("empty-stop", "/v1/completions", {"prompt": "Hi", "stop": ""}, 400, "stop strings must not be empty", "stop"),
     ("prompt-too-long", "/v1/completions", {"prompt": "hello " * 3000}, 400,
-     f"context length is {CONFIG.max_len} tokens", None),
+     f"context length is {CONFIG.engine.max_len} tokens", None),
     ("max-tokens-too-many", "/v1/chat/completions", {**CHAT, "max_tokens": 100_000}, 400,
-     f"context length is {CONFIG.max_len} tokens", None),
+     f"context length is {CONFIG.engine.max_len} tokens", None),
     ("token-outside-vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "outside the vocabulary", None),
     ("block-size-too-big", "/v1/completions", {"prompt": "Hi", "block_size": 64}, 400, "block_size must be <= ",
      None),
@@ -312,7 +311,7 @@ def test_disconnect_while_queued_and_while_running(server, replica):
     """All slots busy: a fifth request waits in the replica's queue; leaving frees its place there,
     and the four running ones free their slots when they leave."""
     with contextlib.ExitStack() as running:
-        for _ in range(CONFIG.max_slots):
+        for _ in range(CONFIG.engine.max_slots):
             r = running.enter_context(httpx.stream("POST", f"{server}/v1/chat/completions", timeout=60,
                                                    json={**LONG, "stream": True}))
             assert r.status_code == 200
@@ -419,7 +418,8 @@ def test_builder_takes_serve_run_key_value_args():
             "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}'}
     assert isinstance(build_app(args), Application)
     config = AppConfig.model_validate(args)
-    assert config.block_size is None and config.max_slots == 4 and config.autoscaling_config["max_replicas"] == 2
+    assert config.engine.block_size is None and config.engine.max_slots == 4
+    assert config.autoscaling_config["max_replicas"] == 2
 
 
 def test_serve_config_yaml_is_valid_and_loopback():

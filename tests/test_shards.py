@@ -19,7 +19,8 @@ from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 from deployments.shards import ShardedTarget, layer_ranges
-from engine.engine import Engine, SamplingParams
+from engine.config import EngineConfig, build_engine, load_models
+from engine.engine import SamplingParams
 from engine.model import load_target
 from engine.prompts import DEFAULT_PROMPTS
 from test_disaggregated import chat_text, reference, wait_for_no_state  # noqa: F401 (reference: a fixture)
@@ -71,10 +72,8 @@ def test_one_layer_shards_chain_to_the_whole_model(arch, tmp_path):
 
 @pytest.fixture(scope="module")
 def models():
-    from engine.loading import load
-
     torch.set_num_threads(1)  # as in each shard: the same kernels, so the same bits
-    return load(None, "default", "auto")
+    return load_models(EngineConfig())
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +86,7 @@ def sharded(serve_cluster, models):
 
 
 def engine_outputs(target, models, prompts, params):
-    engine = Engine(target, models.drafter, max_slots=len(prompts))
+    engine = build_engine(EngineConfig(policy="fixed", max_slots=len(prompts)), models, target=target)
     done = engine.generate_batch(prompts, params)
     assert engine.target_cache.num_used == 0
     return [r.output_ids for r in done], engine.stats
@@ -123,7 +122,7 @@ def test_a_lost_shard_fails_the_health_check(sharded):
 
 APP_NAME = "dflash-shards-test"
 PREFIX = "/shards"
-CONFIG = AppConfig(topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5,
+CONFIG = AppConfig(policy="fixed", topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5,
                    num_shards=2, shard_num_cpus=SHARD_CPUS)
 CHAT_PROMPT = "Write a haiku about the sea."
 
@@ -149,7 +148,7 @@ def handles(server):
 def test_sharded_verifier_serves_the_engine_text_and_frees_everything(server, handles, reference, sharded):
     groups = [g for g in shard_groups() if len(g["bundles"]) == 3]  # the verifier replica + its 2 shards
     assert len(groups) == 1 and groups[0]["strategy"] == "PACK"
-    assert handles["VerifierReplica"].info.remote().result()["num_shards"] == 2
+    assert handles["VerifierReplica"].info.remote().result().num_shards == 2
     client = openai_client(server)
     want = reference.text(reference.chat_ids(CHAT_PROMPT))
     assert chat_text(client, CHAT_PROMPT, temperature=0) == want

@@ -101,7 +101,7 @@ def data_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("datagen")
     for split, n in (("train", 6), ("held-out", 3)):
         r = subprocess.run(
-            [sys.executable, "-m", "engine.cli", "datagen", "--out", str(root / split), "--split", split,
+            [sys.executable, "-m", "dflash_serve.cli", "datagen", "--out", str(root / split), "--split", split,
              "--num-prompts", str(n), "--max-new-tokens", "40", "--batch-size", "3", "--dtype", "float32"],
             cwd=ROOT, capture_output=True, text=True, timeout=600,
         )
@@ -212,7 +212,7 @@ def test_training_goes_on_from_a_saved_drafter(data_dirs, tmp_path):
 def test_datagen_skip_prompts_continues_where_a_folder_stopped(data_dirs, tmp_path):
     """--skip-prompts 4 --num-prompts 2 regenerates exactly the prompts that come after the first 4; training
     reads both folders as one (--data A,B), and refuses folders made with different targets."""
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "datagen", "--out", str(tmp_path / "next"),
+    r = subprocess.run([sys.executable, "-m", "dflash_serve.cli", "datagen", "--out", str(tmp_path / "next"),
                         "--num-prompts", "2", "--skip-prompts", "4", "--max-new-tokens", "40", "--batch-size", "3",
                         "--dtype", "float32"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -251,7 +251,7 @@ def test_held_out_made_in_another_dtype_is_flagged(data_dirs, tmp_path, capsys):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "dflash_serve.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -366,20 +366,20 @@ def test_shipped_drafter_is_the_default_and_zlab_agrees(tmp_path):
 
 
 def test_train_curves_chain_a_run_and_its_continuation(tmp_path):
-    """scripts/train_curves.py: a run started from another's drafter (--init) counts its CPU time on from
+    """`dflash-serve train-curves`: a run started from another's drafter (--init) counts its CPU time on from
     the first run's end, without its step-0 evaluation (the same drafter as the first run's last)."""
     first = [{"step": 0, "cpu_seconds": 0.0, "tau": 1.0}, {"step": 400, "cpu_seconds": 600.0, "tau": 1.5}]
     second = [{"step": 0, "cpu_seconds": 0.0, "tau": 1.5}, {"step": 400, "cpu_seconds": 300.0, "tau": 1.7}]
     for name, evals in (("a.json", first), ("b.json", second)):
         (tmp_path / name).write_text(json.dumps(evals))
     out = tmp_path / "curves"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(out), "--points", "10,15",
-                    f"chained={tmp_path / 'a.json'}+{tmp_path / 'b.json'}"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "dflash_serve.cli", "train-curves", "--out", str(out), "--points", "10,15",
+                    f"chained={tmp_path / 'a.json'}+{tmp_path / 'b.json'}"], cwd=ROOT, check=True, capture_output=True)
     table = (out / "curves.md").read_text()
     assert "| chained | 1.500 | 1.700 | 1.700 (15) |" in table
     assert (out / "curves.png").stat().st_size > 0
-    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(out),
-                          f"x={tmp_path / 'a.json'}+{tmp_path / 'missing.json'}"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "dflash_serve.cli", "train-curves", "--out", str(out),
+                          f"x={tmp_path / 'a.json'}+{tmp_path / 'missing.json'}"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "LABEL=PATH[+PATH]" in bad.stderr
 
 
@@ -387,10 +387,11 @@ def test_train_curves_projection_fits_a_power_law(tmp_path):
     """--project: tau - 1 = 0.1 x CPU-minutes^0.5 exactly reaches tau 2.5 at 225 CPU-minutes (~4 hours)."""
     evals = [{"step": i, "cpu_seconds": m * 60.0, "tau": 1 + 0.1 * m ** 0.5} for i, m in enumerate((10, 20, 40, 80))]
     (tmp_path / "e.json").write_text(json.dumps(evals))
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(tmp_path / "c"),
+    run = subprocess.run([sys.executable, "-m", "dflash_serve.cli", "train-curves", "--out", str(tmp_path / "c"),
                           "--project", "2.5", "--fit-from", "10", f"r={tmp_path / 'e.json'}"],
-                         capture_output=True, text=True, check=True)
+                         cwd=ROOT, capture_output=True, text=True, check=True)
     assert "CPU-minutes^0.50" in run.stdout and "tau 2.5: at ~4 CPU-hours" in run.stdout
-    few = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_curves.py"), "--out", str(tmp_path / "c"),
-                          "--project", "2.5", "--fit-from", "50", f"r={tmp_path / 'e.json'}"], capture_output=True, text=True)
+    few = subprocess.run([sys.executable, "-m", "dflash_serve.cli", "train-curves", "--out", str(tmp_path / "c"),
+                          "--project", "2.5", "--fit-from", "50", f"r={tmp_path / 'e.json'}"], cwd=ROOT, capture_output=True,
+                         text=True)
     assert few.returncode == 2 and "fewer than 3 evaluations" in few.stderr

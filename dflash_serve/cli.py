@@ -1,19 +1,26 @@
-"""The `dflash-serve` command line: one argparse subcommand per job (generate, bench; serve and
-training later), every flag checked up front so mistakes fail before any model loads.
+"""The `dflash-serve` command line: one argparse subcommand per job, every flag checked up front so
+mistakes fail before any model loads.
+
+It sits above engine/, deployments/, cluster/ and loadtest/ and is the only code that knows them all;
+those that import Ray (or Locust) are imported when their command runs. The engine's flags are
+EngineConfig's fields, train's TrainConfig's.
 """
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
+import typing
 from pathlib import Path
 
 from engine import bench
+from engine.config import EngineConfig, build_engine, choices_of, load_models
 from engine.loading import check_device
 from engine.prompts import PromptFileError, read_prompts
+from engine.runtime import cap_matmul_caches
 
-POLICIES = ("fixed", "adaptive")
-DTYPES = ("auto", "float32", "bfloat16")
+ENGINE_FIELDS = tuple(f.name for f in dataclasses.fields(EngineConfig))
 
 
 def comma_list(kind):
@@ -27,14 +34,44 @@ def comma_list(kind):
     return parse
 
 
-def add_model_flags(p: argparse.ArgumentParser):
-    p.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--int8-drafter", action="store_true", help="dynamic int8 drafter (CPU only)")
-    p.add_argument("--denoising-steps", type=int, default=1, help="drafter passes per block")
-    p.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
+def none_or(kind):
+    """An argparse type: `kind`, or none (the field's None)."""
+    def parse(text):
+        return None if text.lower() in ("none", "null") else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_engine_flags(p: argparse.ArgumentParser, exclude=(), only=None):
+    """A flag per EngineConfig field (its default, help and choices), but those in `exclude` or not in `only`."""
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in exclude or (only is not None and f.name not in only):
+            continue
+        hint, text = hints[f.name], f.metadata["help"]
+        if hint is bool:
+            p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=text)
+        elif choices_of(hint):
+            p.add_argument(flag(f.name), choices=choices_of(hint), default=f.default, help=f"{text} (default {f.default})")
+        else:
+            kinds = typing.get_args(hint) or (hint,)  # (int, NoneType) for `int | None`
+            kind = next(t for t in kinds if t is not type(None))
+            shown = "" if f.default is None else f" (default {f.default})"
+            p.add_argument(flag(f.name), type=none_or(kind) if type(None) in kinds else kind, default=f.default,
+                           help=text + shown)
+
+
+def engine_config(args, **overrides) -> EngineConfig:
+    """The EngineConfig of the engine flags in `args` (the rest keep EngineConfig's defaults)."""
+    given = {name: getattr(args, name) for name in ENGINE_FIELDS if hasattr(args, name)}
+    return EngineConfig(**{**given, **overrides})
+
+
+def flagged(message: str) -> str:
+    """An EngineConfig error that starts with a field's name, starting with its flag instead."""
+    name = next((n for n in ENGINE_FIELDS if message.startswith(n + " ")), None)
+    return message if name is None else flag(name) + message[len(name):]
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int):
@@ -71,22 +108,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     gen = subs.add_parser("generate", help="stream one completion to stdout, stats to stderr")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--raw", action="store_true", help="tokenise the prompt as is, without the chat template")
-    gen.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
     add_sampling_flags(gen, max_new_tokens=128)
-    add_model_flags(gen)
+    add_engine_flags(gen, exclude=("max_slots",))
 
     b = subs.add_parser("bench", help="compare decoding methods side by side on the same prompts")
     b.add_argument("--methods", type=comma_list(str), default=list(bench.METHODS), help=f"comma list of {', '.join(bench.METHODS)}")
     b.add_argument("--block-sizes", type=comma_list(int), default=[], help="also run dflash at these fixed blocks (dflash-b{N})")
-    b.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line')
+    b.add_argument("--prompts", default=None,
+                   help='JSONL file, one {"prompt": ...} or {"messages": [...]} per line (other keys are ignored)')
     b.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     b.add_argument("--batch-size", type=int, default=None, help="also time N concurrent requests in one engine")
     b.add_argument("--repeats", type=int, default=1, help="run the whole sweep N times, keep each run's fastest time")
-    b.add_argument("--full-draft-head", action="store_true", help="ignore the drafter's reduced draft vocabulary")
     b.add_argument("--json", default=None, metavar="PATH")
     b.add_argument("--plot", default=None, metavar="PATH.png")
     add_sampling_flags(b, max_new_tokens=64)
-    add_model_flags(b)
+    add_engine_flags(b, exclude=("policy", "max_slots", "max_len"))  # each method sets them
 
     s = subs.add_parser("bench-serve", help="the HTTP server under a concurrency sweep: speculation on, off, in-process")
     s.add_argument("--concurrency", type=comma_list(int), default=[1, 2, 4, 8], help="comma list of concurrent clients")
@@ -98,25 +134,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s.add_argument("--url", default=None, help="attach to a running server (http://127.0.0.1:PORT) instead of starting one")
     s.add_argument("--num-cpus", type=float, default=1.0, help="CPUs (and torch threads) per engine replica")
     s.add_argument("--max-slots", type=int, default=None, help="KV slots per replica (default: the largest concurrency)")
-    s.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--top-k", type=int, default=0, help="0 disables it")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    s.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
-    s.add_argument("--dtype", default="auto", choices=DTYPES)
-    s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    s.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
     s.add_argument("--json", default=None, metavar="PATH")
     s.add_argument("--plot", default=None, metavar="PATH.png")
-    s.set_defaults(int8_drafter=False)
+    add_engine_flags(s, exclude=("max_slots",))
 
     srv = subs.add_parser("serve", help="start the OpenAI-compatible server on a local loopback Ray cluster")
     srv.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1")
-    srv.add_argument("--policy", default="adaptive", choices=POLICIES,
-                     help="block-size policy (adaptive: profiles a cost model at the first start, cached on disk)")
-    srv.add_argument("--max-slots", type=int, default=8, help="requests decoded together per replica")
     srv.add_argument("--num-replicas", type=int, default=1, help="engine replicas (1 CPU each)")
     srv.add_argument("--topology", default="colocated", choices=("colocated", "disaggregated"),
                      help="colocated: drafter and target in one replica; disaggregated: drafter and verifier "
@@ -125,11 +152,6 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                      help="pipeline shards of the target per replica (Ray actors, 1 CPU each)")
     srv.add_argument("--shard-placement", default="PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
                      help="placement group strategy of a replica and its shards")
-    srv.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    srv.add_argument("--draft", default="default", help="drafter folder, or default | random | none")
-    srv.add_argument("--dtype", default="auto", choices=DTYPES)
-    srv.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    srv.add_argument("--block-size", type=int, default=None, help="largest block verified per step (default: the drafter's)")
     srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on every route but /health (repeatable); "
                           "DFLASH_API_KEYS (a comma list) adds keys without showing them in the process list")
@@ -137,7 +159,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
                      help="requests waiting for a replica before new ones get 503 + Retry-After (-1: no limit; default 64)")
     srv.add_argument("--request-timeout-s", type=float, default=None,
                      help="longest a request may run before it is cancelled with 504 (default 600)")
-    srv.set_defaults(int8_drafter=False)
+    add_engine_flags(srv)
 
     dg = subs.add_parser("datagen", help="regenerate responses with the target and capture its features (drafter training data)")
     dg.add_argument("--out", required=True, help="data folder (resumed if it holds a partial run with the same settings)")
@@ -151,9 +173,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     dg.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position (for distillation)")
     dg.add_argument("--feature-layers", type=comma_list(int), default=None, help="target layers to capture (default: 5 spread)")
     dg.add_argument("--write-prompts", default=None, metavar="PATH.jsonl", help="only write the split's prompts (up to 600 characters) as a bench prompt file")
-    dg.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    dg.add_argument("--dtype", default="auto", choices=DTYPES)
-    dg.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    add_engine_flags(dg, only=("target", "dtype", "device"))
 
     from engine.train import TrainConfig
 
@@ -175,18 +195,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     tr.add_argument("--resume", action="store_true", help="continue the run in --out")
     tr.add_argument("--workers", type=int, default=1, help="data-parallel workers (> 1: Ray Train on a loopback cluster)")
 
+    tc = subs.add_parser("train-curves", help="held-out tau against training CPU time for several runs, side by side")
+    tc.add_argument("runs", nargs="+", metavar="LABEL=PATH",
+                    help="a run's log.jsonl or evals.json; LABEL=PATH1+PATH2 chains a run and one started from its drafter")
+    tc.add_argument("--out", required=True, help="folder for curves.md and curves.png")
+    tc.add_argument("--points", type=comma_list(float), default=[10, 20, 30, 40, 50, 60, 80, 100, 120],
+                    help="CPU-minutes to tabulate")
+    tc.add_argument("--project", type=comma_list(float), default=[], metavar="TAUS",
+                    help="comma list of tau targets: fit the last run's curve (tau - 1 as a power of CPU time) "
+                         "and say when it would reach them")
+    tc.add_argument("--fit-from", type=float, default=20.0, help="CPU-minutes where that fit starts")
+
     ev = subs.add_parser("eval-drafter", help="a drafter's held-out greedy tau on chat and on code prompts")
-    ev.add_argument("--draft", default="default", help="drafter folder, or default")
-    ev.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    ev.add_argument("--dtype", default="auto", choices=DTYPES)
     ev.add_argument("--held-out", default="default",
                     help="datagen folder of the held-out split (default: the committed held-out prompts, made on first use)")
     ev.add_argument("--json", default=None, metavar="PATH")
+    add_engine_flags(ev, only=("target", "draft", "dtype"))
 
     from deployments import dashboards  # imports neither ray nor Grafana's libraries until it runs
 
     dash = subs.add_parser("dashboards", help="write the Grafana dashboard (and push it to a Grafana server)")
     dashboards.add_arguments(dash)
+    pp = subs.add_parser("plot-panel", help="draw a dashboard panel from Prometheus as a PNG (what Grafana shows)")
+    dashboards.add_plot_arguments(pp)
     lt = subs.add_parser("loadtest", help="Locust chat/RAG/agent load: speculation on vs off, fixed vs adaptive blocks")
     lt.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
     lt.add_argument("--users", type=comma_list(int), default=[1, 4, 16], help="comma list of concurrent users")
@@ -206,24 +237,36 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt.add_argument("--think-time", type=float, default=2.0, help="--shape poisson: mean seconds between a user's requests")
     lt.add_argument("--url", default=None, help="load a running server (http://127.0.0.1:PORT) instead of deploying the variants")
     lt.add_argument("--max-slots", type=int, default=None, help="KV slots per replica (default: the largest --users)")
-    lt.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
-    lt.add_argument("--draft", default="default", help="drafter folder, or default | random")
-    lt.add_argument("--dtype", default="auto", choices=DTYPES)
     lt.add_argument("--out", default="loadtest-report", help="folder for the report, plots, Locust CSVs and logs")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--resume", action="store_true",
                     help="keep the runs already in --out/runs (same flags): an interrupted sweep goes on where it stopped")
+    add_engine_flags(lt, only=("target", "draft", "dtype"))
+
+    lk = subs.add_parser("lockstep", help="block policies side by side in one process under continuous batching "
+                                          "(the load test's conversations, the engines taking turns step by step)")
+    lk.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
+    lk.add_argument("--batch", type=comma_list(int), default=[16], help="comma list: requests kept running per engine")
+    lk.add_argument("--prompts", type=int, default=48, help="conversations per scenario and repeat")
+    lk.add_argument("--turns", default="first", choices=("first", "all"),
+                    help="first: each conversation's first request; all: every turn, the replies in the history")
+    lk.add_argument("--variants", type=comma_list(str), default=["b1", "b2", "b4", "adaptive"],
+                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
+    lk.add_argument("--max-block", type=int, default=16, help="every request's largest block (a server's)")
+    lk.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per reply")
+    lk.add_argument("--repeats", type=int, default=1, help="runs per cell, each on conversations of its own")
+    lk.add_argument("--out", default=None, help="folder for report.md, report.json and lockstep.png")
+    add_engine_flags(lk, only=("target", "draft", "dtype"))
 
     sk = subs.add_parser("soak", help="mixed chat/RAG/agent load for a bounded time: replica memory and KV slots stay flat?")
     sk.add_argument("--minutes", type=float, default=10.0, help="minutes of load")
     sk.add_argument("--users", type=int, default=12, help="concurrent users, chat, RAG and agent in equal parts")
     sk.add_argument("--max-tokens", type=int, default=64)
     sk.add_argument("--sample-every", type=float, default=10.0, help="seconds between memory and slot samples")
-    sk.add_argument("--policy", default="fixed", choices=POLICIES, help="block-size policy of the server")
-    sk.add_argument("--max-slots", type=int, default=8, help="KV slots of the engine replica")
     sk.add_argument("--out", default="soak-report", help="folder for soak.md, soak.json, soak.png and Locust's files")
+    add_engine_flags(sk, only=("policy", "max_slots"))
     return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
-                    "dashboards": dash, "loadtest": lt, "soak": sk}
+                    "train-curves": tc, "eval-drafter": ev, "dashboards": dash, "plot-panel": pp, "loadtest": lt, "lockstep": lk, "soak": sk}
 
 
 # ---- validation -----------------------------------------------------------------------------
@@ -233,8 +276,6 @@ RANGES = [  # (dest, ok, what) for every subcommand that has the flag; None mean
     ("temperature", lambda v: v >= 0 and not math.isinf(v), "must be >= 0"),
     ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
     ("top_k", lambda v: v >= 0, "must be >= 0 (0 disables it)"),
-    ("block_size", lambda v: v is None or v >= 1, "must be >= 1"),
-    ("denoising_steps", lambda v: v >= 1, "must be >= 1"),
     ("num_prompts", lambda v: v is None or v >= 1, "must be >= 1"),
     ("batch_size", lambda v: v is None or v >= 1, "must be >= 1"),
     ("repeats", lambda v: v >= 1, "must be >= 1"),
@@ -258,19 +299,14 @@ def check(args, parser: argparse.ArgumentParser):
             parser.error(f"{flag(dest)} {what}, got {getattr(args, dest)}")
     if hasattr(args, "device"):
         try:
-            check_device(args.device)
+            check_device(args.device)  # here, not in EngineConfig: a cluster's head may have no GPU
         except ValueError as e:
             parser.error(str(e))
-    target, draft = getattr(args, "target", None), getattr(args, "draft", "default")
-    int8 = getattr(args, "int8_drafter", False)
-    if target not in (None, "default") and not (Path(target) / "config.json").is_file():
-        parser.error(f"--target {target}: no model there (config.json missing)")
-    if draft not in ("default", "random", "none") and not (Path(draft) / "config.json").is_file():
-        parser.error(f"--draft {draft}: no drafter there (config.json missing); or use default, random, none")
-    if int8 and args.device != "cpu":
-        parser.error("--int8-drafter runs on CPU only; use --device cpu")
-    if int8 and draft == "none":
-        parser.error("--int8-drafter needs a drafter, but --draft is none")
+    if any(hasattr(args, name) for name in ENGINE_FIELDS):
+        try:
+            engine_config(args)
+        except ValueError as e:
+            parser.error(flagged(str(e)))
     if args.command == "datagen" and args.top_k < 1:
         parser.error(f"--top-k must be >= 1, got {args.top_k}")
     if args.command == "generate":
@@ -311,17 +347,6 @@ def check_bench(args, parser):
 # ---- generate -------------------------------------------------------------------------------
 
 
-def make_policy(kind: str, loaded, block_size: int):
-    from engine.policy import FixedBlockPolicy
-
-    if kind == "fixed" or loaded.drafter is None:
-        return FixedBlockPolicy(block_size)
-    policy = bench.adaptive_policy(loaded.target, loaded.drafter, block_size)
-    if policy is None:
-        raise ValueError("--policy adaptive: engine.policy has no AdaptiveBlockPolicy yet")
-    return policy
-
-
 class TextStream:
     """Incremental detokenisation: decode the whole output each time, print the new suffix once it
     does not end in U+FFFD (a multi-byte character still split across tokens)."""
@@ -347,19 +372,15 @@ def prompt_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
 
 
 def cmd_generate(args):
-    from engine.engine import Engine, SamplingParams
-    from engine.loading import load, stop_token_ids
+    from engine.engine import SamplingParams
 
-    loaded = load(args.target, args.draft, args.dtype, args.device, args.int8_drafter)
-    block_size = args.block_size or (loaded.drafter.config.block_size if loaded.drafter is not None else 1)
-    engine = Engine(
-        loaded.target, loaded.drafter, max_slots=1, policy=make_policy(args.policy, loaded, block_size),
-        stop_token_ids=stop_token_ids(loaded.target_path), denoising_steps=args.denoising_steps,
-    )
+    config = engine_config(args, max_slots=1)
+    loaded = load_models(config)
+    engine = build_engine(config, loaded)
     ids = prompt_ids(loaded.tokenizer, args.prompt, args.raw)
     params = SamplingParams(
         max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, block_size=block_size,
+        seed=args.seed, block_size=config.max_block_size(loaded.drafter),
     )
     stream, start, first = TextStream(loaded.tokenizer), time.perf_counter(), None
     for new in engine.generate(ids, params):
@@ -389,14 +410,17 @@ def print_stats(engine, tokens: int, seconds: float, ttft: float | None):
 
 def cmd_bench(args):
     fields = bench.BenchConfig.__dataclass_fields__
-    bench.run(bench.BenchConfig(**{k: v for k, v in vars(args).items() if k in fields}))
+    bench.run(bench.BenchConfig(**{k: v for k, v in vars(args).items() if k in fields}, engine=engine_config(args)))
 
 
 def run_checked(command: str, module, config_class, args):
     """The subcommands whose flags fill a config dataclass: build it, check it (an argparse error naming
     the flag), run it. `module` has check_config(cfg) and run(cfg)."""
     fields = config_class.__dataclass_fields__
-    cfg = config_class(**{k: v for k, v in vars(args).items() if k in fields})
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    if "engine" in fields:
+        given["engine"] = engine_config(args)
+    cfg = config_class(**given)
     problem = module.check_config(cfg)
     if problem:
         build_parser()[1][command].error(problem)
@@ -404,16 +428,34 @@ def run_checked(command: str, module, config_class, args):
 
 
 def cmd_bench_serve(args):
-    from deployments import bench_serve  # imports Ray when it runs: engine/ never imports it up front
+    from deployments import bench_serve
 
     run_checked("bench-serve", bench_serve, bench_serve.ServeBenchConfig, args)
 
 
+def serve_config(args):
+    """The AppConfig of the `serve` flags (and DFLASH_API_KEYS); unset flags keep AppConfig's defaults."""
+    from deployments.config import AppConfig, env_api_keys
+
+    optional = {"max_queued_requests": args.max_queued_requests, "request_timeout_s": args.request_timeout_s}
+    keys = [*args.api_key, *env_api_keys()]  # the replicas would read the environment too; this shows the count
+    config = AppConfig(
+        engine=engine_config(args), num_replicas=args.num_replicas, api_keys=keys, topology=args.topology,
+        num_shards=args.num_shards, shard_placement=args.shard_placement,
+        **{k: v for k, v in optional.items() if v is not None},
+    )
+    if config.num_shards > 1:
+        from deployments.shards import check_num_shards
+
+        check_num_shards(config)  # more shards than the target has layers: an error before Ray starts
+    return config
+
+
 def cmd_serve(args):
-    from deployments import launch  # imports Ray when it runs: engine/ never imports it up front
+    from deployments import launch
 
     try:
-        config = launch.app_config(args)
+        config = serve_config(args)
     except ValueError as e:  # pydantic's ValidationError names the field
         build_parser()[1]["serve"].error(str(e))
     launch.serve_forever(config, args.port)
@@ -421,12 +463,11 @@ def cmd_serve(args):
 
 def cmd_datagen(args):
     from engine import datagen
-    from engine.loading import load
 
     if args.write_prompts:
         datagen.write_prompt_file(args.write_prompts, args.sources, args.split)
         return
-    loaded = load(args.target, draft="none", dtype=args.dtype, device=args.device)
+    loaded = load_models(engine_config(args, draft="none"))
     datagen.generate_data(
         loaded, args.out, num_prompts=args.num_prompts, split=args.split, sources=args.sources,
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
@@ -452,6 +493,20 @@ def cmd_train(args):
     else:
         result = train(cfg)
     print(f"held-out tau {result.get('tau', float('nan')):.3f} after {result['step']} steps; drafter in {out / 'drafter'}")
+
+
+def cmd_train_curves(args):
+    from engine import train_curves
+
+    parser = build_parser()[1]["train-curves"]
+    try:
+        runs = train_curves.read_runs(args.runs)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        print(train_curves.run(runs, Path(args.out), args.points, args.project, args.fit_from))
+    except ValueError as e:  # too few evaluations to fit
+        parser.error(f"--project: {e}")
 
 
 def cmd_eval_drafter(args):
@@ -482,10 +537,22 @@ def cmd_dashboards(args):
         sys.exit(1)
 
 
+def cmd_plot_panel(args):
+    from deployments import dashboards
+
+    dashboards.plot(args)
+
+
 def cmd_loadtest(args):
-    from loadtest import run  # imports Ray only to deploy: engine/ never imports it up front
+    from loadtest import run
 
     run_checked("loadtest", run, run.LoadTestConfig, args)
+
+
+def cmd_lockstep(args):
+    from loadtest import lockstep
+
+    run_checked("lockstep", lockstep, lockstep.LockstepConfig, args)
 
 
 def cmd_soak(args):
@@ -496,12 +563,14 @@ def cmd_soak(args):
 
 COMMANDS = {
     "generate": cmd_generate, "bench": cmd_bench, "bench-serve": cmd_bench_serve, "serve": cmd_serve,
-    "datagen": cmd_datagen, "train": cmd_train, "dashboards": cmd_dashboards, "loadtest": cmd_loadtest,
-    "soak": cmd_soak, "eval-drafter": cmd_eval_drafter,
+    "datagen": cmd_datagen, "train": cmd_train, "train-curves": cmd_train_curves, "eval-drafter": cmd_eval_drafter,
+    "dashboards": cmd_dashboards, "plot-panel": cmd_plot_panel, "loadtest": cmd_loadtest, "lockstep": cmd_lockstep,
+    "soak": cmd_soak,
 }
 
 
 def main(argv=None):
+    cap_matmul_caches()
     parser, subparsers = build_parser()
     args = parser.parse_args(argv)
     check(args, subparsers[args.command])

@@ -1,16 +1,15 @@
-"""Held-out tau against training CPU time for several drafter runs, side by side.
+"""`dflash-serve train-curves`: held-out tau against training CPU time for several drafter runs, side by side.
 
-    python scripts/train_curves.py --out docs/train/data-size \
+    dflash-serve train-curves --out runs/data-size \
         "768 prompts=docs/train/main-768/evals.json" "3,072 prompts=docs/train/main/evals.json"
 
 Each run is LABEL=PATH, PATH being a run's log.jsonl or an evals.json (its held-out evaluations);
 LABEL=PATH1+PATH2 chains a run and one started from its drafter (`train --init`): the second run's
 CPU time counts on from the first's end, and its evaluation at step 0 (the same drafter) is dropped.
 Writes curves.md (tau at common CPU-minutes, best tau and where, and (tau - 1) relative to the first
-run) and curves.png.
+run) and curves.png. It reads training logs only; it knows nothing about models.
 """
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -84,12 +83,12 @@ def write_table(runs: dict[str, list[dict]], points: list[float], path: Path, ex
 
 
 def plot(runs: dict[str, list[dict]], path: Path):
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
     for label, evals in runs.items():
         ax.plot([e["cpu_seconds"] / 60 for e in evals], [e["tau"] for e in evals], marker="o", markersize=3, label=label)
     ax.set(xlabel="process CPU-minutes of training", ylabel="held-out tau (greedy, block 16)", title="drafter training")
@@ -97,43 +96,34 @@ def plot(runs: dict[str, list[dict]], path: Path):
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="LABEL=PATH")
-    p.add_argument("--out", required=True, help="folder for curves.md and curves.png")
-    p.add_argument("--points", default="10,20,30,40,50,60,80,100,120", help="CPU-minutes to tabulate")
-    p.add_argument("--project", metavar="TAUS", help="comma list of tau targets: fit the last run's curve "
-                   "(tau - 1 as a power of CPU time) and say when it would reach them")
-    p.add_argument("--fit-from", type=float, default=20.0, help="CPU-minutes where that fit starts (default 20)")
-    args = p.parse_args()
+def read_runs(specs: list[str]) -> dict[str, list[dict]]:
+    """{label: evaluations} of LABEL=PATH[+PATH] specs; ValueError naming the bad one."""
     runs = {}
-    for spec in args.runs:
+    for spec in specs:
         label, sep, paths = spec.partition("=")
         parts = []
         for path in paths.split("+"):
             if not sep or not Path(path).is_file():
-                p.error(f"run {spec!r}: expected LABEL=PATH[+PATH] to log.jsonl or evals.json files that exist")
+                raise ValueError(f"run {spec!r}: expected LABEL=PATH[+PATH] to log.jsonl or evals.json files that exist")
             parts.append(load_evals(Path(path)))
             if not parts[-1]:
-                p.error(f"run {spec!r}: no held-out evaluations in {path}")
+                raise ValueError(f"run {spec!r}: no held-out evaluations in {path}")
         runs[label] = chain(parts)
-    out = Path(args.out)
+    return runs
+
+
+def run(runs: dict[str, list[dict]], out: Path, points: list[float], project: list[float] = (),
+        fit_from: float = 20.0) -> str:
+    """Write curves.md and curves.png into `out`; returns the table. With `project`, the last run's curve is
+    fitted (tau - 1 as a power of CPU time) and the CPU time each of those taus would take is added."""
     out.mkdir(parents=True, exist_ok=True)
     extra = []
-    if args.project:
+    if project:
         label = list(runs)[-1]
-        try:
-            extra = [f"Projection for `{label}` (a power law through its curve):", "",
-                     *projection(runs[label], args.fit_from, [float(t) for t in args.project.split(",")])]
-        except ValueError as e:
-            p.error(f"--project: {e}")
-    write_table(runs, [float(x) for x in args.points.split(",")], out / "curves.md", extra)
+        extra = [f"Projection for `{label}` (a power law through its curve):", "",
+                 *projection(runs[label], fit_from, list(project))]
+    write_table(runs, points, out / "curves.md", extra)
     plot(runs, out / "curves.png")
-    print((out / "curves.md").read_text())
-
-
-if __name__ == "__main__":
-    main()
+    return (out / "curves.md").read_text()
