@@ -53,6 +53,12 @@ PANELS = [
      "Accepted at block position i / drafts (position 0 is the first drafted token).",
      [(f"{rate(M + 'num_accepted_tokens_per_pos_total', 'model, position')}"
        f" / ignoring(position) group_left {DRAFTS}", "{{model}} pos {{position}}")]),
+    ("Accepted tokens by proposer", "short",
+     "Drafted tokens the target accepted per second, by draft source: dflash (the drafter's block) or suffix "
+     "(what the request's context and recent outputs already said); and the acceptance length of each.",
+     [(rate(M + "num_accepted_tokens_total", "model, proposer"), "{{model}} {{proposer}} accepted/s"),
+      (f"1 + {rate(M + 'num_accepted_tokens_total', 'model, proposer')} / "
+       f"{rate(M + 'num_drafts_total', 'model, proposer')}", "{{model}} {{proposer}} mean acceptance length")]),
     ("Output tokens/s", "short",
      "Tokens generated for clients per second, all replicas.",
      [(rate(M + "num_generated_tokens_total", "model"), "{{model}}")]),

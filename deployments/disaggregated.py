@@ -20,7 +20,7 @@ import os
 import time
 import uuid
 from collections import Counter, OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from ray import serve
@@ -35,6 +35,7 @@ from deployments.shards import ShardedTarget, check_shards, start_shards
 from engine.config import build_engine, load_models
 from engine.engine import DraftBlock, Engine, Request, SamplingParams
 from engine.model import TargetHead
+from engine.suffix import Proposal
 
 logger = logging.getLogger("ray.serve")
 
@@ -107,7 +108,7 @@ class _MirrorReplica:
             self.engine.release(held.request)
             held.request = None
 
-    def _admit(self, held: _Held, prompt_ids: list[int], params: SamplingParams) -> Request | None:
+    def _admit(self, held: _Held, prompt_ids: list[int], params: SamplingParams, tenant=None) -> Request | None:
         """On the engine thread: a fresh mirror for `held` (replacing any), None if the request was freed."""
         self._free_evicted()
         if held.request_id in self._freed:
@@ -116,7 +117,7 @@ class _MirrorReplica:
         old = self._held.get(held.request_id)
         if old is not None:  # an older LRU entry of this id (evicted and loaded again): superseded
             self._release(old)
-        held.request = self.engine.add_request(prompt_ids, params)
+        held.request = self.engine.add_request(prompt_ids, params, tenant)
         self._held[held.request_id] = held
         return held.request
 
@@ -134,8 +135,11 @@ class _MirrorReplica:
             self.counters["num_missing"] += 1
         return held.request
 
-    def _free(self, request_id: str):
+    def _free(self, request_id: str, finished: bool = False):
         self._free_evicted()
+        held = self._held.get(request_id)
+        if finished and held is not None and held.request is not None:
+            held.request.finish_reason = "stop"  # a finished output (not an aborted one) joins the suffix index
         self._freed[request_id] = None
         while len(self._freed) > NUM_FREED_REMEMBERED:
             self._freed.popitem(last=False)
@@ -146,9 +150,9 @@ class _MirrorReplica:
 
     # ---- the API the router calls (and tests) ----
 
-    async def free(self, request_id: str):
-        """The request finished or left: free its state here."""
-        await self._on_engine(self._free, request_id)
+    async def free(self, request_id: str, finished: bool = False):
+        """The request finished (`finished`) or left: free its state here."""
+        await self._on_engine(self._free, request_id, finished)
 
     async def slots(self) -> dict:
         def read():
@@ -176,6 +180,14 @@ class _MirrorReplica:
         """Test hook: this replica's process exits in the middle of its `num_calls`-th draft/verify call
         from now, as a crashing replica would (the call fails under the router; Serve starts a new replica)."""
         await self._on_engine(setattr, self, "_fault", ("crash", num_calls))
+
+
+@dataclass
+class SuffixDraft:
+    """A drafter mirror's last block when it was a suffix proposal: what the next call's new tokens answer."""
+
+    proposal: Proposal
+    width: int  # its drafts that were sent to verification
 
 
 def pad_rows(rows) -> torch.Tensor | None:
@@ -253,17 +265,19 @@ class VerifierReplica(_MirrorReplica):
         target = self.engine.target
         return list(target.shards) if isinstance(target, ShardedTarget) else []
 
-    async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None) -> Verified | Lost:
-        """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests)."""
+    async def verify(self, request_id: str, block_ids: list[int], draft_probs: torch.Tensor | None,
+                     proposer: str = "dflash") -> Verified | Lost:
+        """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests) that
+        `proposer` drafted (for the metrics)."""
         held = await self._hold(request_id)
-        return await self._verify_batch(held, block_ids, draft_probs)
+        return await self._verify_batch(held, block_ids, draft_probs, proposer)
 
     @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
-    async def _verify_batch(self, helds: list, blocks: list, probs: list) -> list[Verified | Lost]:
-        return await self._on_engine(self._verify, helds, blocks, probs)
+    async def _verify_batch(self, helds: list, blocks: list, probs: list, proposers: list) -> list[Verified | Lost]:
+        return await self._on_engine(self._verify, helds, blocks, probs, proposers)
 
     @torch.inference_mode()
-    def _verify(self, helds, blocks, probs) -> list[Verified | Lost]:
+    def _verify(self, helds, blocks, probs, proposers) -> list[Verified | Lost]:
         self._free_evicted()
         mirrors = [self._live(h) for h in helds]
         rows = [i for i, r in enumerate(mirrors) if r is not None]
@@ -284,7 +298,8 @@ class VerifierReplica(_MirrorReplica):
                 if probs[i] is not None:
                     draft_probs[j, : block_sizes[j] - 1] = probs[i]
             draft_probs = draft_probs.to(self.engine.device)
-        draft = DraftBlock(block_ids.to(self.engine.device), draft_probs, block_sizes)
+        draft = DraftBlock(block_ids.to(self.engine.device), draft_probs, block_sizes,
+                           proposers=[proposers[i] for i in rows])
         num_accepted, next_ids, features = self.engine.verify(requests, draft)
         for j, (i, r) in enumerate(zip(rows, requests)):
             self.engine.commit(r, num_accepted[j] + 1, features[j])
@@ -338,7 +353,7 @@ class DrafterReplica(_MirrorReplica):
         mirrors = []
         for held, start in zip(helds, starts):
             if start is not None:
-                r = self._admit(held, start.prompt_ids, start.params)
+                r = self._admit(held, start.prompt_ids, start.params, start.tenant)
                 if r is not None and r.draft_generator is not None and start.draft_rng is not None:
                     r.draft_generator.set_state(start.draft_rng)
                 mirrors.append(r)
@@ -350,26 +365,48 @@ class DrafterReplica(_MirrorReplica):
             return results
         requests = [mirrors[i] for i in rows]
         answered = [(i, r) for i, r in zip(rows, requests) if starts[i] is None and getattr(r, "last_draft", None)]
-        if answered:  # the verifier kept all but the bonus token of each request's last block
-            drafted_sizes, verified_sizes, confidence = zip(*(r.last_draft for _, r in answered))
-            last = DraftBlock(None, None, list(drafted_sizes), pad_rows(confidence))
-            self.engine.observe([r for _, r in answered], last, list(verified_sizes), [len(new_ids[i]) - 1 for i, _ in answered])
+        self._observe_answers([(i, r) for i, r in answered if not isinstance(r.last_draft, SuffixDraft)], new_ids)
+        by_suffix = [(i, r) for i, r in answered if isinstance(r.last_draft, SuffixDraft)]
+        if by_suffix:
+            self.engine.observe_suffix([r for _, r in by_suffix], [r.last_draft.proposal for _, r in by_suffix],
+                                       [r.last_draft.width for _, r in by_suffix], [len(new_ids[i]) - 1 for i, _ in by_suffix])
         for i, r in zip(rows, requests):
             r.output_ids += new_ids[i]
+            if self.engine.suffix is not None:
+                self.engine.suffix.extend(r.request_id, new_ids[i])
             self.engine.commit(r, features[i].shape[0], features[i].to(self.engine.device))
-        block_sizes = self.engine.policy.choose(requests, [self.engine.block_cap(r) for r in requests])
-        drafted = self.engine.draft(requests, block_sizes)
-        draft = self.engine.trim(requests, drafted)
+        caps = [self.engine.block_cap(r) for r in requests]
+        proposals = self.engine.suffix_proposals(requests, caps)
+        widths = self.engine.policy.suffix_widths(requests, caps, proposals) if any(proposals) else [0] * len(requests)
+        by_drafter = [j for j, w in enumerate(widths) if w == 0]
+        drafting = [requests[j] for j in by_drafter]
+        block_sizes = self.engine.policy.choose(drafting, [caps[j] for j in by_drafter])
+        drafted = self.engine.draft(drafting, block_sizes) if drafting else None
+        draft = self.engine.with_suffix(requests, by_drafter, self.engine.trim(drafting, drafted) if drafting else None,
+                                        proposals, widths)
         for j, (i, r) in enumerate(zip(rows, requests)):
             b = draft.block_sizes[j]
-            confidence = None if drafted.confidence is None else drafted.confidence[j, : block_sizes[j] - 1].cpu()
-            r.last_draft = (block_sizes[j], b, confidence)  # what the next call's new tokens answer
+            if widths[j]:
+                r.last_draft = SuffixDraft(proposals[j], widths[j])  # what the next call's new tokens answer
+            else:
+                k = by_drafter.index(j)
+                confidence = None if drafted.confidence is None else drafted.confidence[k, : block_sizes[k] - 1].cpu()
+                r.last_draft = (block_sizes[k], b, confidence)
             probs = None
             if draft.draft_probs is not None and r.params.temperature > 0:
                 probs = draft.draft_probs[j, : b - 1].float().cpu().clone()
-            results[i] = Drafted(draft.block_ids[j, :b].tolist(), probs, _rng_state(r, "draft_generator"))
+            results[i] = Drafted(draft.block_ids[j, :b].tolist(), probs, _rng_state(r, "draft_generator"),
+                                 "suffix" if widths[j] else "dflash")
         self._record_load()
         return results
+
+    def _observe_answers(self, answered, new_ids):
+        """The verifier kept all but the bonus token of each request's last drafter block."""
+        if answered:
+            drafted_sizes, verified_sizes, confidence = zip(*(r.last_draft for _, r in answered))
+            last = DraftBlock(None, None, list(drafted_sizes), pad_rows(confidence))
+            self.engine.observe([r for _, r in answered], last, list(verified_sizes),
+                                [len(new_ids[i]) - 1 for i, _ in answered])
 
 
 # ---- router -------------------------------------------------------------------------------
@@ -441,7 +478,7 @@ class Router:
         verifier = self.verifier.options(multiplexed_model_id=request_id)
         drafter = self.drafter.options(multiplexed_model_id=request_id)
         self.counters["num_requests"] += 1
-        done = False
+        done, r = False, None
         async with self._admitted():
             self._set_active(+1)
             try:
@@ -450,12 +487,12 @@ class Router:
                 except EngineRequestError:  # a request the verifier rejects: the client's error, by its status
                     done = True
                     raise
-                r = Request(0, list(prompt_ids), out.params)
+                r = Request(0, list(prompt_ids), out.params, tenant=params.tenant)
                 stop_ids = info.stop_token_ids
                 r.append_output(out.token_ids, stop_ids, speculative=False)
                 verify_rng, draft_rng = out.verify_rng, None
                 new_ids, features = out.token_ids, out.features
-                start = DraftStart(r.prompt_ids, r.params, None)
+                start = DraftStart(r.prompt_ids, r.params, None, params.tenant)
                 yield self._chunk(r, out.token_ids)
                 while not r.finished:
                     drafted = await self._call("drafter", drafter.draft, request_id, new_ids, features, start)
@@ -466,16 +503,17 @@ class Router:
                                                       recovery.deadline)
                     start, draft_rng = None, drafted.draft_rng
                     block_ids, draft_probs = drafted.block_ids, drafted.draft_probs
-                    verified = await self._call("verifier", verifier.verify, request_id, block_ids, draft_probs)
+                    verified = await self._call("verifier", verifier.verify, request_id, block_ids, draft_probs,
+                                                drafted.proposer)
                     recovery = _Recovery()
                     while isinstance(verified, Lost):
                         await recovery.before_retry(verified)
                         verified = await self._rebuild_verifier(verifier, request_id, r, verify_rng, recovery.deadline)
                         if not isinstance(verified, Lost):
                             verified = await self._call("verifier", verifier.verify, request_id, block_ids,
-                                                        draft_probs, deadline=recovery.deadline)
+                                                        draft_probs, drafted.proposer, deadline=recovery.deadline)
                     verify_rng = verified.verify_rng
-                    r.stats.observe_draft(len(block_ids) - 1, verified.num_accepted)
+                    r.stats.observe_draft(len(block_ids) - 1, verified.num_accepted, drafted.proposer)
                     new_ids, features = verified.token_ids, verified.features
                     yield self._chunk(r, r.append_output(new_ids, stop_ids))
                 done = True
@@ -486,7 +524,7 @@ class Router:
             finally:
                 if not done:
                     self.counters["num_cancelled"] += 1
-                self._free_later(request_id)
+                self._free_later(request_id, finished=done and r is not None and r.finished)
                 self._set_active(-1)
 
     @contextlib.asynccontextmanager
@@ -566,7 +604,7 @@ class Router:
         rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng, deadline)
         if isinstance(rebuilt, Lost):
             return rebuilt
-        start = DraftStart(r.prompt_ids, r.params, draft_rng)
+        start = DraftStart(r.prompt_ids, r.params, draft_rng, r.tenant)
         return await self._call("drafter", drafter.draft, request_id, r.output_ids, rebuilt.features, start,
                                 deadline=deadline)
 
@@ -574,10 +612,10 @@ class Router:
         self.counters["num_generated_tokens"] += len(new_ids)
         return Chunk(new_ids, r.finish_reason, r.stats.to_dict())
 
-    def _free_later(self, request_id: str):
+    def _free_later(self, request_id: str, finished: bool = False):
         """Free the request in both replicas without blocking (this may run while being cancelled)."""
         async def free():
-            await asyncio.gather(self.drafter.options(multiplexed_model_id=request_id).free.remote(request_id),
+            await asyncio.gather(self.drafter.options(multiplexed_model_id=request_id).free.remote(request_id, finished),
                                  self.verifier.options(multiplexed_model_id=request_id).free.remote(request_id),
                                  return_exceptions=True)
 

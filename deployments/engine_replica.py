@@ -145,6 +145,7 @@ class _Stream:
     queue: asyncio.Queue  # (new token ids, finish reason, stats dict) tuples, or an exception to raise
     request: Request | None = None  # set on the engine thread when admitted
     cancelled: bool = False
+    tenant: str | None = None  # RequestParams.tenant
 
 
 @serve.deployment
@@ -176,7 +177,7 @@ class EngineReplica:
         if len(self._waiting) >= self.max_waiting:
             self.counters["num_rejected"] += 1
             raise EngineRequestError(f"the replica is overloaded ({len(self._waiting)} requests queued)", 503)
-        stream = _Stream(list(prompt_ids), sampling, asyncio.Queue())
+        stream = _Stream(list(prompt_ids), sampling, asyncio.Queue(), tenant=params.tenant)
         self.counters["num_requests"] += 1
         self.counters["num_prompt_tokens"] += len(prompt_ids)
         self._waiting.append(stream)
@@ -300,7 +301,7 @@ class EngineReplica:
         rejected = []
         for stream in admit:
             try:
-                stream.request = self.engine.add_request(stream.prompt_ids, stream.params)
+                stream.request = self.engine.add_request(stream.prompt_ids, stream.params, stream.tenant)
             except ValueError as e:
                 rejected.append((stream, e))
         outputs = self.engine.step() if self.engine.num_running else []

@@ -7,11 +7,13 @@ a streaming DeploymentHandle and committed token ids come back.
 """
 
 import asyncio
+import hashlib
 import hmac
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -397,6 +399,9 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, stats: dict | None
             "mean_acceptance_length": stats.get("mean_acceptance_length", 1.0),
             "acceptance_rate": stats.get("acceptance_rate", 0.0),
             "block_sizes": {str(b): n for b, n in stats.get("block_sizes", {}).items()},
+            # per draft source: "dflash" (the drafter), "suffix" (what the context already said)
+            "proposers": {name: {key: p.get(key, 0) for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+                          for name, p in stats.get("proposers", {}).items()},
         },
     }
 
@@ -507,7 +512,7 @@ class OpenAIIngress:
         }]}
 
     @api.post("/v1/chat/completions", responses=GENERATED)
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request):
         self._check(body)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         try:
@@ -516,16 +521,24 @@ class OpenAIIngress:
             raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         prompt_ids = self.tokenizer(text, add_special_tokens=False).input_ids
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await self._respond(body, prompt_ids, max_tokens, "chatcmpl", chat=True)
+        return await self._respond(body, prompt_ids, max_tokens, "chatcmpl", chat=True, tenant=self._tenant(raw))
 
     @api.post("/v1/completions", responses=GENERATED)
-    async def completions(self, body: CompletionRequest):
+    async def completions(self, body: CompletionRequest, raw: Request):
         self._check(body)
         prompt = body.prompt
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt).input_ids
-        return await self._respond(body, prompt_ids, body.max_tokens, "cmpl", chat=False)
+        return await self._respond(body, prompt_ids, body.max_tokens, "cmpl", chat=False, tenant=self._tenant(raw))
 
     # ---- helpers ----
+
+    def _tenant(self, raw: Request) -> str | None:
+        """With API keys on, a hash of the request's key: suffix drafting proposes a key's own earlier outputs
+        only (the key itself never leaves this replica). None without keys: one shared index."""
+        if not api.state.api_keys:
+            return None
+        key = raw.headers.get("authorization", "").partition(" ")[2].strip()
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def _check(self, body: SamplingRequest):
         if body.model is not None and body.model != self.config.model_name:
@@ -539,8 +552,9 @@ class OpenAIIngress:
         return self._info
 
     async def _respond(self, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None, prefix: str,
-                       chat: bool):
-        generation = Generation(self.engine, self.tokenizer, prompt_ids, body.sampling_params(max_tokens), body.stop,
+                       chat: bool, tenant: str | None = None):
+        params = replace(body.sampling_params(max_tokens), tenant=tenant)
+        generation = Generation(self.engine, self.tokenizer, prompt_ids, params, body.stop,
                                 self.config.request_timeout_s, self.metrics)
         deltas = generation.deltas()
         try:

@@ -87,9 +87,11 @@ class EngineMetrics:
 
     def __init__(self, model: str, topology: str):
         labels = _labels(model, topology)
-        self.num_drafts = _counter("num_drafts", "Verified blocks with at least one drafted token.", labels)
-        self.num_draft_tokens = _counter("num_draft_tokens", "Drafted tokens sent to verification.", labels)
-        self.num_accepted_tokens = _counter("num_accepted_tokens", "Drafted tokens the target accepted.", labels)
+        by_proposer = ("proposer",)  # "dflash" (the drafter) or "suffix" (what the context already said)
+        self.num_drafts = _counter("num_drafts", "Verified blocks with at least one drafted token.", labels, by_proposer)
+        self.num_draft_tokens = _counter("num_draft_tokens", "Drafted tokens sent to verification.", labels, by_proposer)
+        self.num_accepted_tokens = _counter("num_accepted_tokens", "Drafted tokens the target accepted.", labels,
+                                            by_proposer)
         self.num_accepted_tokens_per_pos = _counter(
             "num_accepted_tokens_per_pos", "Accepted drafted tokens by position in the block (0 = first draft).",
             labels, ("position",))
@@ -128,21 +130,23 @@ class EngineMetrics:
             num_accepted, next_ids, features = verify(requests, block)
             self.verify_latency.observe(time.perf_counter() - start)
             self.batch_size.observe(len(requests), {"forward": "verify"})
-            for block_size, accepted in zip(block.block_sizes, num_accepted):
-                self.observe_verified(block_size - 1, accepted)
+            proposers = block.proposers or ["dflash"] * len(block.block_sizes)
+            for block_size, accepted, proposer in zip(block.block_sizes, num_accepted, proposers):
+                self.observe_verified(block_size - 1, accepted, proposer)
             return num_accepted, next_ids, features
 
         engine.draft, engine.verify = timed_draft, timed_verify
 
-    def observe_verified(self, num_draft_tokens: int, num_accepted: int):
+    def observe_verified(self, num_draft_tokens: int, num_accepted: int, proposer: str = "dflash"):
         """One request's verified block: the same accounting as SpecStats.observe_draft."""
         self.block_size.observe(num_draft_tokens + 1)
         if num_draft_tokens == 0:
             return
-        self.num_drafts.inc()
-        self.num_draft_tokens.inc(num_draft_tokens)
+        tags = {"proposer": proposer}
+        self.num_drafts.inc(1, tags)
+        self.num_draft_tokens.inc(num_draft_tokens, tags)
         if num_accepted:
-            self.num_accepted_tokens.inc(num_accepted)
+            self.num_accepted_tokens.inc(num_accepted, tags)
         for position in range(num_accepted):
             self.num_accepted_tokens_per_pos.inc(1, {"position": str(position)})
         self.acceptance_length.observe(1 + num_accepted)

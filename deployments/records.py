@@ -23,6 +23,7 @@ class RequestParams:
     seed: int | None = None
     block_size: int | None = None
     stop_token_ids: tuple[int, ...] | None = None
+    tenant: str | None = None  # whose earlier outputs suffix drafting may propose: a hash of the API key, None without keys
 
 
 @dataclass
@@ -82,6 +83,7 @@ class DraftStart:
     prompt_ids: list[int]
     params: SamplingParams
     draft_rng: torch.Tensor | None  # the draft generator's state to restore (None: fresh from the seed)
+    tenant: str | None = None  # RequestParams.tenant
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Drafted:
     block_ids: list[int]  # the last committed token, then the drafts
     draft_probs: torch.Tensor | None  # [len(block_ids) - 1, vocab] for a sampling request, else None
     draft_rng: torch.Tensor | None
+    proposer: str = "dflash"  # what drafted it: "dflash" (the drafter) or "suffix"
 
 
 @dataclass

@@ -221,8 +221,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lt = subs.add_parser("loadtest", help="Locust chat/RAG/agent load: speculation on vs off, fixed vs adaptive blocks")
     lt.add_argument("--scenarios", type=comma_list(str), default=["chat", "rag", "agent"], help="comma list of chat, rag, agent")
     lt.add_argument("--users", type=comma_list(int), default=[1, 4, 16], help="comma list of concurrent users")
-    lt.add_argument("--variants", type=comma_list(str), default=["ar", "b2", "b3", "b4", "b8", "adaptive"],
-                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
+    lt.add_argument("--variants", type=comma_list(str), default=["ar", "b2", "b3", "b4", "adaptive", "dflash+suffix"],
+                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive (DFlash drafts only), "
+                         "dflash+suffix (suffix drafting beside DFlash)")
     lt.add_argument("--run-time", type=float, default=30.0, help="seconds of load per scenario, user count and variant")
     lt.add_argument("--max-requests", type=int, default=500, help="requests per run at most")
     lt.add_argument("--requests-per-user", type=int, default=0,
@@ -326,7 +327,7 @@ def check_bench(args, parser):
         parser.error(f"--block-sizes must all be >= 1, got {args.block_sizes}")
     needs = [m for m in args.methods if m in bench.NEEDS_DRAFTER] + [f"dflash-b{b}" for b in args.block_sizes]
     if args.draft == "none" and needs:
-        parser.error(f"--draft none: these methods need a drafter: {', '.join(needs)}")
+        parser.error(f"--draft none turns speculation off, which these methods need: {', '.join(needs)}")
     if args.prompts is not None:
         try:
             count = len(read_prompts(args.prompts))

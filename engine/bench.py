@@ -26,7 +26,7 @@ from engine.stats import SpecStats
 from engine.suffix import SuffixProposer
 
 METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
-NEEDS_DRAFTER = {"zlab", "dflash", "dflash-adaptive", "dflash+suffix"}
+NEEDS_DRAFTER = {"zlab", "dflash", "dflash-adaptive", "dflash+suffix", "suffix"}  # speculate: not with --draft none
 NEEDS_HF_MODEL = {"hf", "hf-lookup", "zlab"}
 BATCHABLE = ("ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
 WARMUP_PROMPT = chat("Hi!")
@@ -196,8 +196,7 @@ def engine_configs(cfg: BenchConfig, block_size: int, max_len: int) -> dict[str,
     configs = {"ar": replace(one, draft="none", int8_drafter=False, policy="fixed", block_size=None),
                "dflash": replace(one, policy="fixed", block_size=block_size),
                "dflash-adaptive": replace(one, policy="adaptive", block_size=block_size),
-               "suffix": replace(one, draft="none", int8_drafter=False, policy="fixed", block_size=None,
-                                 proposers="suffix"),
+               "suffix": replace(one, int8_drafter=False, policy="fixed", block_size=None, proposers="suffix"),
                "dflash+suffix": replace(one, policy="adaptive", block_size=block_size, proposers="dflash,suffix")}
     out = {name: configs[name] for name in cfg.methods if name in configs}
     for b in cfg.block_sizes:

@@ -133,7 +133,8 @@ def build_engine(config: EngineConfig, loaded: Loaded | None = None, *, target=N
 
 
 def suffix_proposer(config: EngineConfig) -> SuffixProposer | None:
-    if "suffix" not in config.proposer_names:
+    """The suffix proposer `config` asks for; none with draft 'none' (no speculation at all)."""
+    if "suffix" not in config.proposer_names or config.draft == "none":
         return None
     return SuffixProposer(SuffixConfig(global_max_tokens=config.suffix_index_tokens))
 

@@ -65,6 +65,7 @@ class Request:
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     finish_reason: str | None = None
+    tenant: str | None = None  # whose earlier outputs suffix drafting may propose to it
 
     @property
     def finished(self):
@@ -222,7 +223,7 @@ class Engine:
         self.check_request(prompt_ids, params)
         if self.target_cache.num_used >= self.target_cache.num_slots:
             raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
-        request = Request(next(self._ids), list(prompt_ids), params)
+        request = Request(next(self._ids), list(prompt_ids), params, tenant=tenant)
         if params.seed is not None:
             request.draft_generator = torch.Generator(self.device).manual_seed(params.seed)
             request.verify_generator = torch.Generator(self.device).manual_seed(params.seed + 1)
@@ -291,7 +292,7 @@ class Engine:
             return []
         start, context = time.perf_counter(), max(r.num_cached for r in running)
         caps = [self.block_cap(r) for r in running]
-        proposals = self._suffix_proposals(running, caps)
+        proposals = self.suffix_proposals(running, caps)
         widths = self.policy.suffix_widths(running, caps, proposals) if any(proposals) else [0] * len(running)
         rows = [i for i, w in enumerate(widths) if w == 0]  # drafted by DFlash (or plain steps)
         drafting = [running[i] for i in rows]
@@ -299,7 +300,7 @@ class Engine:
             drafted = self.draft(drafting, self.policy.choose(drafting, [caps[i] for i in rows]))
         else:  # every request verifies a suffix draft: no drafter pass at all
             drafted = DraftBlock(torch.zeros(0, 1, dtype=torch.long, device=self.device), None, [])
-        draft = self._with_suffix(running, rows, self.trim(drafting, drafted), proposals, widths)
+        draft = self.with_suffix(running, rows, self.trim(drafting, drafted), proposals, widths)
         num_accepted, next_ids, features = self.verify(running, draft)
         committed = [ids[: a + 1] for ids, a in zip(next_ids, num_accepted)]
         if drafting:
@@ -314,13 +315,13 @@ class Engine:
                                      verified=sum(draft.block_sizes) / len(running), caught_up=drafted.caught_up)
         return outputs
 
-    def _suffix_proposals(self, requests, caps) -> list[Proposal | None]:
+    def suffix_proposals(self, requests, caps) -> list[Proposal | None]:
         """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer)."""
         if self.suffix is None:
             return [None] * len(requests)
         return [self.suffix.propose(r.request_id, cap - 1) if cap > 1 else None for r, cap in zip(requests, caps)]
 
-    def _with_suffix(self, requests, rows, draft: "DraftBlock", proposals, widths) -> "DraftBlock":
+    def with_suffix(self, requests, rows, draft: "DraftBlock", proposals, widths) -> "DraftBlock":
         """One block for every request: rows[j] has the drafter's row j, a request with widths[i] > 0 its
         suffix proposal's first widths[i] tokens. A sampled request's suffix drafts have one-hot draft
         probabilities: rejection sampling against them keeps its output distribution the target's."""

@@ -59,7 +59,7 @@ def drafting_fixed(name: str) -> bool:
 
 def lane_config(cfg: LockstepConfig, name: str, batch: int) -> EngineConfig:
     """A variant's engine: ar without a drafter, b<N> a fixed block, adaptive the adaptive policy."""
-    engine = replace(cfg.engine, max_slots=batch, max_len=MAX_LEN)
+    engine = replace(cfg.engine, max_slots=batch, max_len=MAX_LEN, proposers="dflash")  # block policies compared
     if name == "ar":
         return replace(engine, draft="none", policy="fixed", block_size=None)
     if name == "adaptive":

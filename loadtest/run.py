@@ -7,7 +7,8 @@ from the same code path as `dflash-serve serve`:
   ar        the server without a drafter (plain autoregressive decoding)
   b<N>      the server with the drafter, fixed policy, every request verifying blocks of N
             (one app; the block is the request's `block_size` extension field)
-  adaptive  the server with the drafter and the adaptive block policy
+  adaptive  the server with the drafter and the adaptive block policy (DFlash drafts only)
+  dflash+suffix  the same with suffix drafting beside DFlash (the server's default)
 For each scenario, each user count and each variant (the innermost loop, so the runs compared sit
 close in time) it runs Locust headless as its own process (never in a Ray process), bounded by
 --run-time and --max-requests, and reads the run's summary that the Locust process writes when it
@@ -38,13 +39,14 @@ LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
 STEP_SHAPE = ROOT / "loadtest" / "step_shape.py"
 USERS = {"chat": "ChatUser", "rag": "RagUser", "agent": "AgentUser"}
 SHAPES = ("steady", "poisson", "step")
+HYBRID = "dflash+suffix"  # the variant with suffix drafting beside DFlash (adaptive policy)
 
 
 @dataclass
 class LoadTestConfig:
     scenarios: list[str] = field(default_factory=lambda: list(USERS))
     users: list[int] = field(default_factory=lambda: [1, 4, 16])
-    variants: list[str] = field(default_factory=lambda: ["ar", "b2", "b3", "b4", "b8", "adaptive"])
+    variants: list[str] = field(default_factory=lambda: ["ar", "b2", "b3", "b4", "adaptive", HYBRID])
     run_time: float = 30.0  # seconds of load per run (scenario x users x variant x repeat)
     repeats: int = 1  # runs per cell, interleaved with the other variants; the report keeps the median
     max_requests: int = 500  # per cell
@@ -77,9 +79,10 @@ def check_config(cfg: LoadTestConfig) -> str | None:
         return f"--scenarios: unknown or none: {', '.join(unknown) or '(empty)'}; choose from {', '.join(USERS)}"
     if not cfg.users or any(u < 1 for u in cfg.users):
         return f"--users must be a list of integers >= 1, got {cfg.users}"
-    bad = [v for v in cfg.variants if v not in ("ar", "adaptive") and not (variant_block(v) or 0) >= 1]
+    bad = [v for v in cfg.variants if v not in ("ar", "adaptive", HYBRID) and not (variant_block(v) or 0) >= 1]
     if bad or not cfg.variants:
-        return f"--variants: unknown or none: {', '.join(bad) or '(empty)'}; use ar, adaptive or b<N> (N >= 1)"
+        return (f"--variants: unknown or none: {', '.join(bad) or '(empty)'}; use ar, adaptive, {HYBRID} or b<N> "
+                "(N >= 1)")
     if cfg.run_time <= 0:
         return f"--run-time must be > 0 seconds, got {cfg.run_time}"
     if cfg.repeats < 1:
@@ -126,14 +129,16 @@ def apps(cfg: LoadTestConfig) -> dict[str, dict]:
     if cfg.url:
         return {}
     base = {"target": cfg.target, "draft": cfg.draft, "dtype": cfg.dtype, "num_cpus": cfg.num_cpus,
-            "max_slots": cfg.max_slots or max(cfg.users)}
+            "max_slots": cfg.max_slots or max(cfg.users), "proposers": "dflash"}
     out = {}
+    largest = max([16] + [variant_block(x) or 0 for x in cfg.variants])
     for v in cfg.variants:
         if v == "ar":
             out["ar"] = dict(base, draft="none")
         elif v == "adaptive":
-            out["adaptive"] = dict(base, policy="adaptive", block_size=max([16] + [variant_block(x) or 0 for x in
-                                                                                cfg.variants]))
+            out["adaptive"] = dict(base, policy="adaptive", block_size=largest)
+        elif v == HYBRID:
+            out[app_of(v)] = dict(base, policy="adaptive", block_size=largest, proposers="dflash,suffix")
         else:
             out["fixed"] = dict(base, policy="fixed", block_size=max(variant_block(x) or 0 for x in cfg.variants))
     return out
@@ -153,7 +158,7 @@ def run_order(variants: list[str], repeat: int) -> list[str]:
 
 
 def app_of(variant: str) -> str:
-    return "fixed" if variant_block(variant) else variant
+    return "fixed" if variant_block(variant) else {HYBRID: "suffix"}.get(variant, variant)
 
 
 # ---- one Locust run -------------------------------------------------------------------------------
@@ -257,11 +262,16 @@ def comparisons(results: dict) -> dict:
             if fixed:
                 best = max(fixed, key=fixed.get)
                 row["best_fixed"] = best
+                if HYBRID in cells:
+                    row["dflash+suffix_vs_best_fixed"] = ratio(cells[HYBRID]["output_tokens_per_s"], fixed[best])
                 if "adaptive" in cells:
                     row["adaptive_vs_best_fixed"] = ratio(cells["adaptive"]["output_tokens_per_s"], fixed[best])
                     paired = paired_ratios(cells, list(fixed))
                     if paired:
                         row["adaptive_vs_best_fixed_by_repeat"] = paired
+            if HYBRID in cells and "adaptive" in cells:
+                row["dflash+suffix_vs_adaptive"] = ratio(cells[HYBRID]["output_tokens_per_s"],
+                                                         cells["adaptive"]["output_tokens_per_s"])
             out.setdefault(scenario, {})[users] = row
     return out
 
@@ -356,6 +366,10 @@ def markdown(report: dict) -> str:
                           "each repeat): " + "; ".join(
                               f"{u} users: {fmt(statistics.median(x for x in rs if x))}x ({', '.join(fmt(x) for x in rs)})"
                               for u, rs in paired), ""]
+        hybrid = [(u, r) for u, r in report["comparisons"].get(scenario, {}).items() if "dflash+suffix_vs_adaptive" in r]
+        if hybrid:
+            lines += ["dflash+suffix vs DFlash-only adaptive (tok/s): " + "; ".join(
+                f"{u} users: {fmt(r['dflash+suffix_vs_adaptive'])}x" for u, r in hybrid), ""]
         agent = [(u, cells) for u, cells in by_users.items() if any(c.get("json_expected") for c in cells.values())]
         if agent:
             lines += ["Valid JSON replies (tool calls and answers): " + "; ".join(

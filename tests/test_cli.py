@@ -65,7 +65,7 @@ BAD_FLAGS = [  # (argv, text that stderr must contain)
     (["bench", "--num-prompts", "99"], "--num-prompts 99"),
     (["bench", "--repeats", "0"], "--repeats must be >= 1"),
     (["bench", "--batch-size", "0"], "--batch-size must be >= 1"),
-    (["bench", "--draft", "none", "--methods", "hf,dflash"], "--draft none: these methods need a drafter: dflash"),
+    (["bench", "--draft", "none", "--methods", "hf,dflash"], "--draft none turns speculation off, which these methods need: dflash"),
     (["bench", "--json", "/no/such/dir/out.json"], "--json /no/such/dir/out.json"),
     (["bench", "--plot", "out.pdf"], "--plot must be a .png"),
     (["bench", "--prompts", "{tmp}/missing.jsonl"], "--prompts {tmp}/missing.jsonl: no such file"),

@@ -76,7 +76,7 @@ def test_dashboard_has_the_panels_operators_need(board):
     titles = {p["title"] for p in board["panels"]}
     assert {"Mean acceptance length", "Acceptance rate", "Acceptance by position", "Output tokens/s",
             "Time to first token", "Inter-token latency", "Block size", "Batch size per forward", "Replicas",
-            "Queue lengths"} <= titles
+            "Queue lengths", "Accepted tokens by proposer"} <= titles
     queries = " ".join(expr for _, expr in dashboards.panel_queries(board))
     for metric in ("num_drafts_total", "num_draft_tokens_total", "num_accepted_tokens_total",
                    "num_accepted_tokens_per_pos_total", "ttft_seconds_bucket", "itl_seconds_bucket"):
