@@ -19,8 +19,9 @@ from deployments.config import AppConfig
 
 APP_NAME = "dflash-limits"
 KEY = "sk-test-0123456789abcdef"
+OTHER_KEY = "sk-test-fedcba9876543210"
 CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=1, num_cpus=1, max_queued_requests=1,
-                   request_timeout_s=4, api_keys=[KEY], max_request_bytes=16384)
+                   request_timeout_s=4, api_keys=[KEY, OTHER_KEY], max_request_bytes=16384)
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 CANARY = "zebra-canary-prompt-31337"  # a prompt that must never reach a log
 # A request that decodes past the 4 s timeout: counting runs for hundreds of tokens on every host tried
@@ -281,3 +282,28 @@ def test_remote_code_in_a_checkpoint_is_never_run(tmp_path):
     with pytest.raises(ValueError, match="trust_remote_code"):
         load_hf_target(tmp_path)
     assert not marker.exists()
+
+
+def test_suffix_drafts_propose_a_keys_own_outputs_only(server):
+    """With API keys on, a finished output joins the suffix index of its key only: the same prompt again with
+    the same key has its earlier reply proposed and accepted; with the other key it is not (only what its own
+    context says). The drafter here is random, so accepted drafts are the suffix proposer's."""
+    body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}], "max_tokens": 40,
+            "temperature": 0}
+
+    def ask_as(key):
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def suffix_accepted(reply):
+        proposers = reply["usage"]["spec_decoding"]["proposers"]
+        assert set(proposers) <= {"dflash", "suffix"}
+        return proposers.get("suffix", {}).get("num_accepted_tokens", 0)
+
+    first, again, other = ask_as(KEY), ask_as(KEY), ask_as(OTHER_KEY)
+    texts = {r["choices"][0]["message"]["content"] for r in (first, again, other)}
+    assert len(texts) == 1  # greedy: the same reply whatever drafted it
+    tokens = again["usage"]["completion_tokens"]
+    assert suffix_accepted(again) >= tokens // 2 > suffix_accepted(other), (suffix_accepted(again), suffix_accepted(other))
