@@ -316,10 +316,14 @@ class Engine:
         return outputs
 
     def suffix_proposals(self, requests, caps) -> list[Proposal | None]:
-        """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer)."""
+        """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer). None for a
+        seeded sampled request: its drafts would then depend on what the server served before (the shared
+        index, the calibration), and with them the random draws its output is made of."""
         if self.suffix is None:
             return [None] * len(requests)
-        return [self.suffix.propose(r.request_id, cap - 1) if cap > 1 else None for r, cap in zip(requests, caps)]
+        return [self.suffix.propose(r.request_id, cap - 1)
+                if cap > 1 and (r.params.seed is None or r.params.temperature == 0) else None
+                for r, cap in zip(requests, caps)]
 
     def with_suffix(self, requests, rows, draft: "DraftBlock", proposals, widths) -> "DraftBlock":
         """One block for every request: rows[j] has the drafter's row j, a request with widths[i] > 0 its

@@ -17,7 +17,9 @@ APP_NAME = "dflash-autoscaling-test"
 ROUTE = "/autoscale"
 AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
                "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 1}
-CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=0.5, autoscaling_config=AUTOSCALING)
+# DFlash drafts only: the load must last (suffix drafts make a looping reply fast)
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=0.5, autoscaling_config=AUTOSCALING,
+                   proposers="dflash")
 CLIENTS = 4
 # metrics_interval_s is deprecated in Ray 2.60 (in favour of environment variables) but still honoured
 pytestmark = pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")

@@ -32,7 +32,9 @@ from test_shards import SHARD_CPUS, shard_groups
 
 APP_NAME = "dflash-faults-test"
 PREFIX = "/faults"
-CONFIG = AppConfig(policy="fixed", topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5)
+# DFlash drafts only: faults strike at a set call of a request, so its steps must not depend on the suffix index
+CONFIG = AppConfig(policy="fixed", topology="disaggregated", dtype="float32", max_slots=2, num_cpus=0.5, drafter_num_cpus=0.5,
+                   proposers="dflash")
 SHARDED_CONFIG = AppConfig(**{**CONFIG.model_dump(), "num_shards": 2, "shard_num_cpus": SHARD_CPUS})
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MAX_TOKENS = 48

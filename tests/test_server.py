@@ -27,7 +27,8 @@ from deployments.ingress import IncrementalText
 ROOT = Path(__file__).resolve().parent.parent
 
 APP_NAME = "dflash-test"
-CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=1)
+# DFlash drafts only: the lifecycle tests need requests that decode for a while (suffix drafts make a looping reply fast)
+CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=4, num_cpus=1, proposers="dflash")
 CHAT_PROMPT = "Write a haiku about the sea."
 TEXT_PROMPT = "The three primary colours are"
 MAX_TOKENS = 24
