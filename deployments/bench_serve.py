@@ -529,7 +529,7 @@ def plot(report: dict, path):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     c = report["config"]
-    fig.suptitle(f"{Path(c['target_path']).name}, drafter {c['drafter']}, {c['dtype_resolved']}, {c['device']}, "
+    fig.suptitle(f"{Path(c['target_path']).name}, drafter {c['drafter']}, {c['dtype_resolved']}, {c['engine']['device']}, "
                  f"T={c['temperature']}, {c['num_requests']} requests x {c['max_tokens']} tokens per level "
                  f"(server: colocated; server-disagg: disaggregated)", fontsize=9)
     fig.tight_layout()

@@ -50,7 +50,12 @@ def add_engine_flags(p: argparse.ArgumentParser, exclude=(), only=None):
         if f.name in exclude or (only is not None and f.name not in only):
             continue
         hint, text = hints[f.name], f.metadata["help"]
-        if hint is bool:
+        if typing.get_origin(hint) in (list, tuple):  # e.g. tuple[str, ...]: a comma list
+            item = typing.get_args(hint)[0]
+            parse = comma_list(str if choices_of(item) else item)
+            kind = (lambda text, parse=parse: tuple(parse(text))) if typing.get_origin(hint) is tuple else parse
+            p.add_argument(flag(f.name), type=kind, default=f.default, help=f"{text} (comma list; default {f.default})")
+        elif hint is bool:
             p.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=f.default, help=text)
         elif choices_of(hint):
             p.add_argument(flag(f.name), choices=choices_of(hint), default=f.default, help=f"{text} (default {f.default})")

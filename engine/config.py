@@ -73,7 +73,7 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device == "cuda" or
                 (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        hints = typing.get_type_hints(EngineConfig)
+        hints = typing.get_type_hints(type(self))
         for f in dataclasses.fields(self):
             value, minimum, choices = getattr(self, f.name), f.metadata.get("minimum"), choices_of(hints[f.name])
             if choices and value not in choices:

@@ -92,3 +92,24 @@ def test_the_readme_configuration_table_lists_every_field_and_real_flags():
     assert names == {f"engine.{f.name}" for f in fields(EngineConfig)} | (set(AppConfig.model_fields) - {"engine"})
     serve_flags = {a for action in cli.build_parser()[1]["serve"]._actions for a in action.option_strings}
     assert flags and flags <= serve_flags, flags - serve_flags
+
+
+def test_a_new_engine_field_is_a_new_flag(monkeypatch):
+    """EngineConfig is meant to grow (say, which draft sources an engine uses): a new field, a list type
+    included, is a flag of every engine command without touching the CLI."""
+    import argparse
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from engine.config import knob
+
+    @dataclass
+    class Grown(EngineConfig):
+        proposers: tuple[Literal["dflash", "suffix"], ...] = knob(("dflash",), "draft sources")
+
+    monkeypatch.setattr(cli, "EngineConfig", Grown)
+    monkeypatch.setattr(cli, "ENGINE_FIELDS", tuple(f.name for f in fields(Grown)))
+    parser = argparse.ArgumentParser()
+    cli.add_engine_flags(parser)
+    assert cli.engine_config(parser.parse_args([])) == Grown()
+    assert cli.engine_config(parser.parse_args(["--proposers", "dflash,suffix"])) == Grown(proposers=("dflash", "suffix"))
