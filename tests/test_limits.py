@@ -253,13 +253,12 @@ def test_no_prompt_or_key_in_the_logs(server):
 
 
 def test_keys_never_show_in_the_config_repr_and_come_from_flag_and_environment(monkeypatch):
-    from deployments.launch import app_config
-    from dflash_serve.cli import build_parser
+    from dflash_serve.cli import build_parser, serve_config
 
     monkeypatch.setenv("DFLASH_API_KEYS", " sk-env-1 ,sk-env-2,")
     args = build_parser()[0].parse_args(["serve", "--api-key", "sk-flag", "--request-timeout-s", "30",
                                          "--max-queued-requests", "5"])
-    config = app_config(args)
+    config = serve_config(args)
     assert [k.get_secret_value() for k in config.api_keys] == ["sk-flag", "sk-env-1", "sk-env-2"]
     assert config.request_timeout_s == 30 and config.max_queued_requests == 5
     assert "sk-" not in repr(config) and "sk-" not in str(config.model_dump())
