@@ -197,28 +197,40 @@ def first_turns(scenario: str, n: int) -> list[Prompt]:
     return [Prompt(messages=c[0]) for c in conversations(scenario, n)]
 
 
-def bench_prompts(scenario: str, n: int) -> list[Prompt]:
+def bench_prompts(scenario: str, n: int, reply=None) -> list[Prompt]:
     """n requests of a scenario as `dflash-serve bench` runs them (one process, one request each), the
     turn the server decodes most of in the load test: rag, the question with its passages; agent, the
-    turn after the tool result (its history holds the tool call the task needs, as the assistant's)."""
+    turn after the tool result, its history holding `reply(messages)`: the model's own answer to the first
+    turn, as the load test's users keep it."""
     if scenario == "rag":
         return first_turns("rag", n)
     out = []
-    for task, (first, observation) in zip(agent_tasks(Retriever(stdlib_passages()), n, random.Random(SEED)),
-                                          conversations("agent", n)):
-        call = Message(role="assistant", content=json.dumps(task["call"]))
-        out.append(Prompt(messages=first + [call] + observation))
+    for first, observation in conversations("agent", n):
+        answer = Message(role="assistant", content=reply([m.model_dump() for m in first]))
+        out.append(Prompt(messages=first + [answer] + observation))
     return out
 
 
-def write_bench_prompts(folder: Path, n: int = 16) -> list[Path]:
+def write_bench_prompts(folder: Path, reply, n: int = 16) -> list[Path]:
     """data/prompts/rag.jsonl and agent.jsonl: bench_prompts as `bench --prompts` files."""
     paths = []
     for scenario in ("rag", "agent"):
         path = Path(folder) / f"{scenario}.jsonl"
-        path.write_text("".join(p.model_dump_json(exclude_none=True) + "\n" for p in bench_prompts(scenario, n)))
+        path.write_text("".join(p.model_dump_json(exclude_none=True) + "\n" for p in bench_prompts(scenario, n, reply)))
         paths.append(path)
     return paths
+
+
+def greedy_reply(engine, tokenizer, max_tokens: int = 64):
+    """reply(messages) for bench_prompts: the engine's greedy answer, as the load test asks for it."""
+    from engine.engine import SamplingParams
+
+    def reply(messages):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        out = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))[0].output_ids
+        return tokenizer.decode(out, skip_special_tokens=True)
+
+    return reply
 
 
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:
