@@ -95,8 +95,8 @@ def test_the_readme_configuration_table_lists_every_field_and_real_flags():
 
 
 def test_a_new_engine_field_is_a_new_flag(monkeypatch):
-    """EngineConfig is meant to grow (say, which draft sources an engine uses): a new field, a list type
-    included, is a flag of every engine command without touching the CLI."""
+    """EngineConfig is meant to grow: a new field, a list type included, is a flag of every engine command
+    without touching the CLI."""
     import argparse
     from dataclasses import dataclass
     from typing import Literal
@@ -105,11 +105,11 @@ def test_a_new_engine_field_is_a_new_flag(monkeypatch):
 
     @dataclass
     class Grown(EngineConfig):
-        proposers: tuple[Literal["dflash", "suffix"], ...] = knob(("dflash",), "draft sources")
+        kernels: tuple[Literal["eager", "graphs"], ...] = knob(("eager",), "kernel kinds")
 
     monkeypatch.setattr(cli, "EngineConfig", Grown)
     monkeypatch.setattr(cli, "ENGINE_FIELDS", tuple(f.name for f in fields(Grown)))
     parser = argparse.ArgumentParser()
     cli.add_engine_flags(parser)
     assert cli.engine_config(parser.parse_args([])) == Grown()
-    assert cli.engine_config(parser.parse_args(["--proposers", "dflash,suffix"])) == Grown(proposers=("dflash", "suffix"))
+    assert cli.engine_config(parser.parse_args(["--kernels", "eager,graphs"])) == Grown(kernels=("eager", "graphs"))
