@@ -179,7 +179,7 @@ class StandIns:
             params = SamplingParams(**{k: v for k, v in asdict(params).items() if v is not None})
         return Prefilled(params, [] if output_ids else [10], torch.zeros(len(prompt_ids) + len(output_ids), 1), None)
 
-    async def verify(self, request_id, block_ids, draft_probs):
+    async def verify(self, request_id, block_ids, draft_probs, proposer="dflash"):
         await self._enter("verify", "verifier")
         if not self.has_state["verifier"]:
             return Lost()
@@ -193,7 +193,7 @@ class StandIns:
             return Lost()
         return Drafted([new_ids[-1]], None, None)
 
-    async def free(self, request_id):
+    async def free(self, request_id, finished=False):
         self.freed.append(request_id)
 
 
