@@ -201,8 +201,11 @@ class EngineReplica:
         return {"used": used, "total": self.num_slots, "running": len(self._running), "waiting": len(self._waiting)}
 
     async def health(self) -> dict:
+        """Also the tokens the suffix proposer's shared index holds (bounded by suffix_index_tokens)."""
         await self.check_health()
-        return {"status": "ok", **await self.slots()}
+        suffix = self.engine.suffix
+        return {"status": "ok", **await self.slots(),
+                **({} if suffix is None else {"suffix_index_tokens": suffix.global_index.num_tokens})}
 
     async def info(self) -> ReplicaInfo:
         return self._info

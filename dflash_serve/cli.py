@@ -270,7 +270,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sk.add_argument("--max-tokens", type=int, default=64)
     sk.add_argument("--sample-every", type=float, default=10.0, help="seconds between memory and slot samples")
     sk.add_argument("--out", default="soak-report", help="folder for soak.md, soak.json, soak.png and Locust's files")
-    add_engine_flags(sk, only=("policy", "max_slots"))
+    add_engine_flags(sk, only=("policy", "max_slots", "suffix_index_tokens"))
     return parser, {"generate": gen, "bench": b, "bench-serve": s, "serve": srv, "datagen": dg, "train": tr,
                     "train-curves": tc, "eval-drafter": ev, "dashboards": dash, "plot-panel": pp, "loadtest": lt, "lockstep": lk, "soak": sk}
 

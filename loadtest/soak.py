@@ -4,7 +4,8 @@ and the used KV slots (they must return to 0 once the load stops).
 
 Locust runs as its own process (all three user classes, equal weights, the traffic of
 loadtest/scenarios.py); meanwhile this process samples every --sample-every seconds: each replica
-process's RSS (psutil; the cluster is on this machine) and the engine's slots from /health. Memory growth = median of the last fifth of the
+process's RSS (psutil; the cluster is on this machine), and the engine's slots and the tokens its
+suffix index holds from /health. Memory growth = median of the last fifth of the
 samples minus the median of the second fifth (the first fifth is warm-up: allocator pools, caches).
 """
 
@@ -31,9 +32,15 @@ class SoakConfig:
     sample_every: float = 10.0
     policy: str = EngineConfig.policy  # the server's: `dflash-serve serve` with no flags
     max_slots: int = EngineConfig.max_slots
+    suffix_index_tokens: int = EngineConfig.suffix_index_tokens  # small: the soak shows the bound holding
     num_cpus: float = 1.0
     out: str = "soak-report"
     seed: int = 0
+
+
+def app_config(cfg: SoakConfig) -> AppConfig:
+    return AppConfig(policy=cfg.policy, max_slots=cfg.max_slots, num_cpus=cfg.num_cpus,
+                     suffix_index_tokens=cfg.suffix_index_tokens)
 
 
 def check_config(cfg: SoakConfig) -> str | None:
@@ -48,7 +55,7 @@ def check_config(cfg: SoakConfig) -> str | None:
     if not Path(cfg.out).resolve().parent.is_dir():
         return f"--out {cfg.out}: the folder {Path(cfg.out).resolve().parent} does not exist"
     try:
-        AppConfig(policy=cfg.policy, max_slots=cfg.max_slots, num_cpus=cfg.num_cpus)
+        app_config(cfg)
     except ValueError as e:
         return " ".join(str(e).split())
     return None
@@ -89,16 +96,18 @@ def plot(report: dict, path: Path):
     samples = report["samples"]
     t0 = samples[0]["t"]
     minutes = [(s["t"] - t0) / 60 for s in samples]
-    fig = Figure(figsize=(10, 4))
+    fig = Figure(figsize=(14, 4))
     FigureCanvasAgg(fig)
-    ax_mem, ax_slots = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    ax_mem, ax_slots, ax_suffix = (fig.add_subplot(1, 3, i) for i in (1, 2, 3))
     for name in report["memory"]:
         ax_mem.plot(minutes, [s["rss_mb"].get(name) for s in samples], marker=".", label=name)
     for key in ("used", "waiting"):
         ax_slots.plot(minutes, [s["slots"].get(key) for s in samples], marker=".", label=f"{key} slots"
                       if key == "used" else "waiting requests")
     ax_slots.axvline(report["load_minutes"], color="gray", ls=":", label="load stops")
-    for ax, label in ((ax_mem, "RSS (MB)"), (ax_slots, "engine replica")):
+    ax_suffix.plot(minutes, [s["slots"].get("suffix_index_tokens") for s in samples], marker=".", label="held")
+    ax_suffix.axhline(report["config"]["suffix_index_tokens"], color="gray", ls="--", label="bound")
+    for ax, label in ((ax_mem, "RSS (MB)"), (ax_slots, "engine replica"), (ax_suffix, "suffix index tokens")):
         ax.set_xlabel("minutes")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -122,7 +131,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {g['baseline_mb']:.0f} | {g['end_mb']:.0f} | {g['growth_mb']:+.1f} | "
                      f"{g['growth_pct']:+.2f} | {g['max_mb']:.0f} |")
     lines += ["", f"Used KV slots: at most {report['max_used_slots']} during the load, {report['end_used_slots']} "
-              f"after it (of {c['max_slots']}).", ""]
+              f"after it (of {c['max_slots']}).",
+              f"Suffix index: at most {report['max_suffix_tokens']} tokens held (bound {c['suffix_index_tokens']}), "
+              f"{report['end_suffix_tokens']} at the end.", ""]
     return "\n".join(lines)
 
 
@@ -143,7 +154,7 @@ def run(cfg: SoakConfig, cluster_url: str | None = None) -> dict:
     if owned:
         cluster_url = bench_serve.start_cluster(num_cpus=max(1, round(cfg.num_cpus)))
     try:
-        app = AppConfig(policy=cfg.policy, max_slots=cfg.max_slots, num_cpus=cfg.num_cpus)
+        app = app_config(cfg)
         url = bench_serve.deploy_apps({APP: (f"/{APP}", app)}, cluster_url)[APP]
         load = LoadTestConfig(run_time=cfg.minutes * 60, max_requests=10**9, max_tokens=cfg.max_tokens, seed=cfg.seed)
         command = locust_command(load, list(USERS), cfg.users, url, out / "locust", None, scenario_file)
@@ -181,6 +192,8 @@ def run(cfg: SoakConfig, cluster_url: str | None = None) -> dict:
         "memory": {n: growth(samples, n) for n in names},
         "max_used_slots": max(s["slots"].get("used") or 0 for s in samples),
         "end_used_slots": samples[-1]["slots"].get("used"),
+        "max_suffix_tokens": max(s["slots"].get("suffix_index_tokens") or 0 for s in samples),
+        "end_suffix_tokens": samples[-1]["slots"].get("suffix_index_tokens"),
     }
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "soak.md").write_text(markdown(report) + "\n![soak](soak.png)\n")

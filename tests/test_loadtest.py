@@ -270,13 +270,14 @@ def test_variants_run_in_reverse_every_other_repeat():
 @pytest.mark.slow
 def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
     """A short soak (the README's is 10 minutes): mixed users, no failures, the replicas' memory
-    sampled, and every KV slot free once the load stops."""
+    sampled, every KV slot free once the load stops, and the suffix index within its bound (a few replies'
+    tokens here, so it evicts)."""
     from ray import serve
 
     from loadtest import soak
 
     cfg = soak.SoakConfig(minutes=0.3, users=3, max_tokens=16, sample_every=3, policy="fixed", max_slots=2,
-                          num_cpus=0.5, out=str(tmp_path / "soak"))
+                          suffix_index_tokens=40, num_cpus=0.5, out=str(tmp_path / "soak"))
     report = soak.run(cfg, cluster_url=serve_cluster)
 
     assert soak.APP not in serve.status().applications
@@ -286,6 +287,7 @@ def test_soak_mixed_traffic_leaves_nothing_behind(serve_cluster, tmp_path):
     assert all(100 < m["baseline_mb"] < 8000 for m in report["memory"].values())
     assert len(report["samples"]) >= 5 and report["max_used_slots"] == 2  # 3 users queue for 2 slots
     assert report["end_used_slots"] == 0
+    assert 0 < report["max_suffix_tokens"] <= 40
     assert (tmp_path / "soak" / "soak.png").stat().st_size > 0 and "# Soak" in (tmp_path / "soak" / "soak.md").read_text()
 
 

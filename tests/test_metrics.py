@@ -27,7 +27,7 @@ from ray import serve
 from conftest import ROOT, deploy, free_port, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
-from deployments.dashboards import build_dashboard, panel_queries
+from deployments.dashboards import build_dashboard, panel_queries, query_range
 
 pytestmark = pytest.mark.slow
 
@@ -143,10 +143,13 @@ def _request(client, model: str, prompt) -> dict:
 def load_run(serve_cluster, repeat_drafter, prometheus):
     """Both topologies deployed with the repeat drafter; one warm-up request each (so Prometheus sees
     every counter before it grows), then NUM_ROUNDS of PROMPTS, 3 at a time. Yields
-    {topology: (application, model, [usage of every request])} and the run's start time."""
+    {topology: (application, model, [usage of every request])} and the run's start time. DFlash drafts
+    only: the rounds repeat their prompts, so with suffix drafting on, every request after the first
+    round copies its reply from the shared index, and the drafter (whose latency a panel shows) idles."""
     runs = {}
     for topology, (app, prefix, sizes) in TOPOLOGIES.items():
-        config = AppConfig(policy="fixed", draft=repeat_drafter, dtype="float32", model_name=app, **sizes)
+        config = AppConfig(policy="fixed", draft=repeat_drafter, dtype="float32", model_name=app,
+                           proposers="dflash", **sizes)
         runs[topology] = (app, app, openai_client(deploy(build_app(config), app, serve_cluster, prefix)), [])
     start = time.time()
     try:
@@ -218,7 +221,6 @@ def test_every_dashboard_panel_query_returns_data(prometheus, load_run, topology
     """Range queries over the run, as Grafana draws a panel. (An instant query can miss a gauge: Ray's
     agent drops a gauge value not re-exported within two export intervals, 20 s, and a busy 2-core CI
     host delays exports; Prometheus then marks the series stale until the next one.)"""
-    from plot_prometheus import query_range
 
     runs, start = load_run
     app, model, usages = runs[topology]
