@@ -32,7 +32,7 @@ class SoakConfig:
     sample_every: float = 10.0
     policy: str = EngineConfig.policy  # the server's: `dflash-serve serve` with no flags
     max_slots: int = EngineConfig.max_slots
-    suffix_index_tokens: int = EngineConfig.suffix_index_tokens  # small: the soak shows the bound holding
+    suffix_index_tokens: int = EngineConfig.suffix_index_tokens  # set small, a run fills it and shows the bound hold
     num_cpus: float = 1.0
     out: str = "soak-report"
     seed: int = 0

@@ -221,7 +221,6 @@ def test_every_dashboard_panel_query_returns_data(prometheus, load_run, topology
     """Range queries over the run, as Grafana draws a panel. (An instant query can miss a gauge: Ray's
     agent drops a gauge value not re-exported within two export intervals, 20 s, and a busy 2-core CI
     host delays exports; Prometheus then marks the series stale until the next one.)"""
-
     runs, start = load_run
     app, model, usages = runs[topology]
     _wait_for(prometheus, f'sum(ray_dflash_e2e_latency_seconds_count{{model="{model}"}})',
