@@ -449,3 +449,33 @@ def test_suffix_engine_takes_short_and_repetitive_prompts():
     start = time.perf_counter()
     assert greedy_outputs(engine, prompts, 48) == reference
     assert time.perf_counter() - start < 30
+
+
+def test_two_branch_recording_scores_each_draft_as_verification_did():
+    """engine.branches: its recording engine gives the engine's own greedy output (float32), records one step
+    per verify with both drafts, and scores the chosen draft's accepted length as the verify found it; the
+    estimate commits the better draft (best single) or the longer of both (tree) at the costs given."""
+    from engine.branches import RecordingEngine, Step, accepted, estimate
+    from engine.policy import CostModel
+    from engine.suffix import SuffixProposer
+
+    target, drafter = tiny_models(seed=5)
+    prompts = repetitive_prompts(4, TINY.vocab_size, seed=5)
+    reference = greedy_outputs(Engine(target), prompts, 30)
+    engine = RecordingEngine(target, drafter, max_slots=4, policy=AlternateSources(4), suffix=SuffixProposer())
+    requests = engine.generate_batch(prompts, SamplingParams(max_tokens=30))
+    assert [r.output_ids for r in requests] == reference
+    chose = set()
+    for r in requests:
+        steps = engine.steps[r.request_id]
+        assert len(steps) == len(r.acceptance_lengths)
+        for s, committed in zip(steps, r.acceptance_lengths):
+            a = accepted(s.suffix if s.chose_suffix else s.dflash, r.output_ids, s.position)
+            assert min(a + 1, len(r.output_ids) - s.position) == committed
+            chose.add(s.chose_suffix)
+    assert chose == {True, False}
+
+    flat = CostModel([1], [1, 33], [[1.0, 1.0]], draft_seconds=[[0.0, 0.0]])  # every verify 1 s, drafting free
+    steps = [Step(0, dflash=[5, 6], drafted=3, suffix=[5, 7, 8], chose_suffix=False)]
+    est = estimate(steps, [5, 7, 8, 9], flat, context=10)
+    assert est == {"policy": 2.0, "best single": 4.0, "tree": 4.0}
