@@ -446,12 +446,13 @@ def deploy_apps(apps: dict[str, tuple[str, AppConfig]], cluster_url: str, timeou
     return urls
 
 
-def server_info(url: str) -> dict:
+def server_info(url: str, api_key: str | None = None) -> dict:
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
-        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]
+        model = httpx.get(f"{url}/v1/models", timeout=30, headers=headers).json()["data"][0]
         return {"model": model.get("id"), "drafter": model.get("drafter"), "max_block_size":
                 model.get("max_block_size"), "max_model_len": model.get("max_model_len"), "slots":
                 health.get("engine", {}).get("total")}

@@ -43,6 +43,7 @@ def _arguments(parser):
     parser.add_argument("--request-timeout", type=float, default=300.0, help="client timeout per request (s)")
     parser.add_argument("--summary-json", default=None, help="write per-scenario totals here at the end")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default="loadtest", help="the key the users send (a server with keys on)")
     parser.add_argument("--block-size", type=int, default=0, help="the request's block_size extension (0: the server's)")
     parser.add_argument("--step-users", type=int, default=4, help="step shape: users added per step")
     parser.add_argument("--step-time", type=float, default=20.0, help="step shape: seconds per step")
@@ -108,7 +109,7 @@ class OpenAIUser(User):
         _USERS_STARTED[self.scenario] += 1
         self.rng = random.Random(f"{options.seed}/{self.scenario}/{index}")
         self.data = json.loads(open(options.scenario_file).read())
-        self.client = openai.OpenAI(base_url=self.host.rstrip("/") + "/v1", api_key="loadtest",
+        self.client = openai.OpenAI(base_url=self.host.rstrip("/") + "/v1", api_key=self.options.api_key,
                                     timeout=options.request_timeout, max_retries=0)
         self.model = self.client.models.list().data[0].id
 

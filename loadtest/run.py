@@ -138,7 +138,9 @@ def apps(cfg: LoadTestConfig) -> dict[str, dict]:
         elif v == "adaptive":
             out["adaptive"] = dict(base, policy="adaptive", block_size=largest)
         elif v == HYBRID:
-            out[app_of(v)] = dict(base, policy="adaptive", block_size=largest, proposers="dflash,suffix")
+            out[app_of(v)] = dict(base, policy="adaptive", block_size=largest, proposers="dflash,suffix",
+                                  api_keys=[run_key(s, u, r) for s in cfg.scenarios for u in cfg.users
+                                            for r in range(cfg.repeats)])
         else:
             out["fixed"] = dict(base, policy="fixed", block_size=max(variant_block(x) or 0 for x in cfg.variants))
     return out
@@ -157,6 +159,12 @@ def run_order(variants: list[str], repeat: int) -> list[str]:
     return list(variants) if repeat % 2 == 0 else list(reversed(variants))
 
 
+def run_key(scenario: str, users: int, repeat: int | None) -> str:
+    """The API key a run's users send. The dflash+suffix app holds one per run, and keys split its shared
+    suffix index: a run never drafts from the server's replies to an earlier run's identical requests."""
+    return f"loadtest-{scenario}-u{users}-r{repeat or 0}"
+
+
 def app_of(variant: str) -> str:
     return "fixed" if variant_block(variant) else {HYBRID: "suffix"}.get(variant, variant)
 
@@ -165,14 +173,14 @@ def app_of(variant: str) -> str:
 
 
 def locust_command(cfg: LoadTestConfig, scenarios: list[str], users: int, url: str, prefix: Path, block: int | None,
-                   scenario_file: Path) -> list[str]:
+                   scenario_file: Path, api_key: str = "loadtest") -> list[str]:
     """Locust, headless, as its own process: these scenarios' user classes (equal weights)."""
     files = f"{LOCUSTFILE},{STEP_SHAPE}" if cfg.shape == "step" else str(LOCUSTFILE)
     command = [sys.executable, "-m", "locust", "-f", files, "--headless", "--only-summary", "-u", str(users),
                "-r", str(users), "-t", f"{cfg.run_time:g}s", "--stop-timeout", "120", "--host", url,
                "--csv", str(prefix), "--scenario-file", str(scenario_file), "--summary-json", f"{prefix}.json",
                "--max-tokens", str(cfg.max_tokens), "--temperature", str(cfg.temperature),
-               "--max-requests", str(request_limit(cfg, users)), "--seed", str(cfg.seed)]
+               "--max-requests", str(request_limit(cfg, users)), "--seed", str(cfg.seed), "--api-key", api_key]
     if cfg.shape == "poisson":
         command += ["--think-time", str(cfg.think_time)]
     if cfg.shape == "step":
@@ -190,7 +198,8 @@ def run_cell(cfg: LoadTestConfig, scenario: str, users: int, variant: str, url: 
     summary_path = Path(f"{prefix}.json")
     if not (cfg.resume and summary_path.exists()):
         summary_path.unlink(missing_ok=True)
-        command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file)
+        command = locust_command(cfg, [scenario], users, url, prefix, variant_block(variant), scenario_file,
+                                 run_key(scenario, users, repeat))
         log = Path(f"{prefix}.log")
         with open(log, "w") as f:
             done = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, timeout=cfg.run_time + 300,
@@ -479,7 +488,8 @@ def run(cfg: LoadTestConfig, cluster_url: str | None = None) -> dict:
             urls = {v: by_app[f"loadtest-{app_of(v)}"] for v in variants}
             server = (f"loopback Ray cluster, apps {', '.join(needed)} (colocated, "
                       f"{cfg.num_cpus:g} CPU and {max(1, round(cfg.num_cpus))} torch thread per replica)")
-        info = {v: bench_serve.server_info(urls[v]) for v in dict.fromkeys(variants)}
+        key = run_key(cfg.scenarios[0], cfg.users[0], 0)
+        info = {v: bench_serve.server_info(urls[v], key) for v in dict.fromkeys(variants)}
         info = next((i for v, i in info.items() if v != "ar"), info[variants[0]])  # the drafter's app when any
         results: dict[str, dict[int, dict]] = {}
         cells = [(s, u, r, v) for s in cfg.scenarios for u in cfg.users for r in range(cfg.repeats)

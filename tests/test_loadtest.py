@@ -144,13 +144,14 @@ def test_json_replies_are_found_in_prose():
 
 @pytest.mark.slow
 def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
-    """Real Locust processes, real openai clients, real apps (ar, fixed block 2, adaptive): every
-    scenario at 2 users, bounded by requests; 0 failures; the report's figures are consistent."""
+    """Real Locust processes, real openai clients, real apps (ar, fixed block 2, adaptive, dflash+suffix with
+    API keys on, a key per run): every scenario at 2 users, bounded by requests; 0 failures; the report's
+    figures are consistent."""
     from ray import serve
 
     from loadtest import run
 
-    cfg = run.LoadTestConfig(scenarios=["chat", "rag", "agent"], users=[2], variants=["ar", "b2", "adaptive"],
+    cfg = run.LoadTestConfig(scenarios=["chat", "rag", "agent"], users=[2], variants=["ar", "b2", "adaptive", "dflash+suffix"],
                              run_time=20, max_requests=3, max_tokens=8, num_cpus=0.3, out=str(tmp_path / "report"))
     report = run.run(cfg, cluster_url=serve_cluster)
 
@@ -256,6 +257,20 @@ def test_request_limit_per_user_with_a_floor():
     assert [request_limit(cfg, u) for u in (1, 4, 16)] == [16, 16, 50]
     assert request_limit(LoadTestConfig(requests_per_user=4), 1) == 4
     assert request_limit(LoadTestConfig(min_requests=16, max_requests=30), 1) == 30  # no per-user limit: max only
+
+
+def test_each_run_has_its_own_key_on_the_suffix_app():
+    """Keys split the shared suffix index: the dflash+suffix app holds one key per run and each run's users
+    send theirs, so no run drafts from the server's replies to an earlier run's identical requests."""
+    from pathlib import Path
+
+    from loadtest.run import LoadTestConfig, apps, locust_command, run_key
+
+    cfg = LoadTestConfig(scenarios=["chat", "rag"], users=[1, 4], repeats=2, variants=["ar", "dflash+suffix"])
+    keys = {run_key(s, u, r) for s in cfg.scenarios for u in cfg.users for r in range(2)}
+    assert len(keys) == 8 and set(apps(cfg)["suffix"]["api_keys"]) == keys and "api_keys" not in apps(cfg)["ar"]
+    command = locust_command(cfg, ["rag"], 4, "http://127.0.0.1:1", Path("p"), None, Path("s"), run_key("rag", 4, 1))
+    assert command[command.index("--api-key") + 1] == "loadtest-rag-u4-r1"
 
 
 def test_variants_run_in_reverse_every_other_repeat():
