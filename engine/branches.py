@@ -50,16 +50,19 @@ class RecordingEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.steps: dict[int, list[Step]] = {}
+        self._drafted: list[int] = []  # the last drafter pass's block per row
 
     def with_suffix(self, requests, rows, draft: DraftBlock, proposals, widths) -> DraftBlock:
         caps = [self.block_cap(r) for r in requests]
-        others = [i for i in range(len(requests)) if i not in rows]
-        blocks = {i: (draft.block_ids[j, 1: draft.block_sizes[j]].tolist(), self._drafted[j]) for j, i in enumerate(rows)}
+        others = [i for i, w in enumerate(widths) if w]  # rows verifying a suffix draft: drafted here too
+        blocks = {i: (draft.block_ids[j, 1: draft.block_sizes[j]].tolist(), self._drafted[j])
+                  for j, i in enumerate(rows)}
         if others:
             reqs = [requests[i] for i in others]
             sizes = self.policy.choose(reqs, [caps[i] for i in others])
             extra = self.trim(reqs, self.draft(reqs, sizes))
-            blocks |= {i: (extra.block_ids[j, 1: extra.block_sizes[j]].tolist(), sizes[j]) for j, i in enumerate(others)}
+            blocks |= {i: (extra.block_ids[j, 1: extra.block_sizes[j]].tolist(), sizes[j])
+                       for j, i in enumerate(others)}
         for i, r in enumerate(requests):
             p = proposals[i]
             suffix = [] if p is None else p.token_ids[: widths[i] or caps[i] - 1]
@@ -70,10 +73,6 @@ class RecordingEngine(Engine):
     def draft(self, requests, block_sizes) -> DraftBlock:
         self._drafted = list(block_sizes)
         return super().draft(requests, block_sizes)
-
-    def _step(self):
-        self._drafted = []
-        return super()._step()
 
 
 def accepted(draft: list[int], output: list[int], position: int) -> int:
@@ -99,7 +98,8 @@ def estimate(steps: list[Step], output: list[int], costs: CostModel, context: in
         dflash_step = (a_d + 1, draft(s.drafted) + verify(len(s.dflash) + 1))
         suffix_step = (a_s + 1, verify(len(s.suffix) + 1))
         add("policy", *(suffix_step if s.chose_suffix else dflash_step))
-        add("best single", *(suffix_step if s.suffix and (a_s, -suffix_step[1]) > (a_d, -dflash_step[1]) else dflash_step))
+        suffix_better = s.suffix and (a_s, -suffix_step[1]) > (a_d, -dflash_step[1])  # more tokens, then cheaper
+        add("best single", *(suffix_step if suffix_better else dflash_step))
         tree_width = 1 + len(s.dflash) + len(s.suffix)
         add("tree", max(a_d, a_s) + 1, draft(s.drafted) + verify(tree_width))
     return {name: tokens / seconds for name, (tokens, seconds) in totals.items()}

@@ -151,8 +151,9 @@ def test_loadtest_every_scenario_without_failures(serve_cluster, tmp_path):
 
     from loadtest import run
 
-    cfg = run.LoadTestConfig(scenarios=["chat", "rag", "agent"], users=[2], variants=["ar", "b2", "adaptive", "dflash+suffix"],
-                             run_time=20, max_requests=3, max_tokens=8, num_cpus=0.3, out=str(tmp_path / "report"))
+    cfg = run.LoadTestConfig(scenarios=["chat", "rag", "agent"], users=[2],
+                             variants=["ar", "b2", "adaptive", "dflash+suffix"], run_time=20, max_requests=3,
+                             max_tokens=8, num_cpus=0.3, out=str(tmp_path / "report"))
     report = run.run(cfg, cluster_url=serve_cluster)
 
     assert not any(name.startswith("loadtest-") for name in serve.status().applications)  # cleaned up
