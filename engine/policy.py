@@ -672,27 +672,40 @@ class AdaptiveBlockPolicy(BlockPolicy):
         return out
 
     def suffix_widths(self, requests, caps, proposals):
-        """Per request, the suffix drafts to verify (0: draft with DFlash): the proposal's prefix whose
-        expected tokens per second beats the best DFlash block's for the request, costed at this batch
-        (a suffix step pays no drafter pass)."""
+        """Per request, the suffix drafts to verify (0: draft with DFlash), chosen for the whole step. The
+        verify runs on the padded layout, so one row's wide suffix draft makes the whole batch's verify about
+        that wide (on a CPU, CostModel.ragged_share ~1). For each bound w on the widths, a request verifies its
+        proposal's first min(w, n_i) drafts where they are expected to commit more than DFlash's block would
+        (the block `choose` picks for the whole batch), and the step is costed: the drafter pass over the
+        other rows, the verify at ragged_block(mean, widest row), the time per step outside the engine. The
+        bound with the most expected tokens per second wins; w = 0 is the step without suffix drafts."""
         batch, context = len(requests), self._context(requests)
-        cost = self.cost_model
+        suffix = [None if p is None or not p.token_ids or cap < 2 else
+                  expected_tokens(self.suffix_calibration.acceptance(p, r.params.temperature > 0)[: cap - 1])
+                  for r, cap, p in zip(requests, caps, proposals)]
+        longest = max((len(s) - 1 for s in suffix if s is not None), default=0)
+        if longest == 0:
+            return [0] * batch
+        candidates = self.block_sizes[: bisect.bisect_left(self.block_sizes, max(caps)) + 1]
+        outlook = self.outlook(requests, caps, candidates)
+        block = max(candidates, key=lambda b: outlook[b][0] / outlook[b][1])
         pooled = self.pooled_acceptance(max(caps) - 1)
-        verify = {}  # width -> seconds of a verify that wide, with what a step costs outside the engine
-        out = []
-        for r, cap, p in zip(requests, caps, proposals):
-            if p is None or not p.token_ids or cap < 2:
-                out.append(0)
-                continue
-            suffix = expected_tokens(self.suffix_calibration.acceptance(p, r.params.temperature > 0)[: cap - 1])
-            for width in range(1, len(suffix)):
-                if width not in verify:
-                    verify[width] = cost.verify_cost(batch, width + 1, context) * self._cost_ratio(1) + self.overhead
-            rate, width = max((suffix[w] / verify[w], w) for w in range(1, len(suffix)))
-            dflash = expected_tokens(self.acceptance(r, cap - 1, pooled))
-            best = max(dflash[b - 1] / self.step_cost(batch, b, context) for b in self.block_sizes if b <= cap)
-            out.append(width if rate > best else 0)
-        return out
+        dflash_sizes = [min(block, cap) for cap in caps]
+        dflash = [expected_tokens(self.acceptance(r, s - 1, pooled))[-1] for r, s in zip(requests, dflash_sizes)]
+        cost = self.cost_model
+        best, best_rate = [0] * batch, -1.0
+        for bound in range(longest + 1):
+            widths = [0 if s is None or bound == 0 else min(bound, len(s) - 1) for s in suffix]
+            widths = [w if w and suffix[i][w] > dflash[i] else 0 for i, w in enumerate(widths)]
+            tokens = sum(suffix[i][w] if w else dflash[i] for i, w in enumerate(widths))
+            sizes = [w + 1 if w else s for w, s in zip(widths, dflash_sizes)]
+            drafted = [s for w, s in zip(widths, dflash_sizes) if not w]
+            draft = cost.draft_cost(len(drafted), max(drafted), context) if drafted and max(drafted) > 1 else 0.0
+            verify = cost.verify_cost(batch, cost.ragged_block(sum(sizes) / batch, max(sizes)), context)
+            seconds = (draft + verify) * self._cost_ratio(max(drafted, default=1)) + self.overhead
+            if tokens / seconds > best_rate:
+                best, best_rate = widths, tokens / seconds
+        return best
 
     def trim(self, requests, block_sizes, confidence, context):
         batch, block = len(requests), max(block_sizes)

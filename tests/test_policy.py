@@ -489,6 +489,27 @@ def test_trim_keeps_one_width_when_a_ragged_verify_costs_its_widest_row():
     assert len(set(steep.trim([fake_request() for _ in range(16)], [4] * 16, rows, None))) == 1
 
 
+def test_a_wide_suffix_draft_is_cut_to_what_the_batch_can_pay_for():
+    """One row's suffix draft sets the whole verify's width when a ragged verify costs its widest row
+    (a CPU): alone a request verifies most of a sure proposal; among 15 rows at block 1 it verifies fewer
+    drafts (here none: widening 16 rows' verify for one row does not pay); when every row has such a
+    proposal they all verify some of it; where only real positions cost, the one row goes wide again."""
+    from engine.suffix import Proposal
+
+    sure = Proposal(list(range(100, 115)), match_length=16, num_matches=4, counts=[4] * 15)
+    policy = AdaptiveBlockPolicy(ragged_cost(fixed_ms=20, per_token_ms=1.5, ragged_share=1.0))
+    batch = [fake_request([0.4], seed=i) for i in range(16)]
+    assert policy.choose(batch, [16] * 16) == [1] * 16
+    alone = policy.suffix_widths(batch[:1], [16], [sure])[0]
+    assert alone >= 8
+    assert policy.suffix_widths(batch, [16] * 16, [sure] + [None] * 15) == [0] * 16
+    every = policy.suffix_widths(batch, [16] * 16, [sure] * 16)
+    assert len(set(every)) == 1 and 0 < every[0] < alone
+    assert policy.suffix_widths(batch, [16] * 16, [None] * 16) == [0] * 16
+    free = AdaptiveBlockPolicy(ragged_cost(fixed_ms=20, per_token_ms=1.5, ragged_share=0.0))
+    assert free.suffix_widths(batch, [16] * 16, [sure] + [None] * 15)[0] > 0
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_trim_maximises_its_objective(seed):
     rng = random.Random(seed)
