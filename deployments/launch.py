@@ -6,11 +6,14 @@ It owns only the process's lifetime; the app is build_app's.
 import math
 import os
 import signal
+import sys
+import threading
 import time
 
 import psutil
 
 STOP_TIMEOUT_S = 3  # how long Ray's processes get to exit after ray.shutdown() before they are killed
+SHUTDOWN_TIMEOUT_S = 5  # how long ray.shutdown() may take before the processes are stopped without it
 WATCH_EVERY_S = 2  # how often the processes this one started are noted (replicas start and stop while it serves)
 
 
@@ -73,5 +76,15 @@ def serve_forever(config, port: int):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         started.update(me.children(recursive=True))
-        ray.shutdown()  # the app ends with the cluster (serve.shutdown() would drain every replica first: too slow)
+        stopping = time.monotonic()
+        # the app ends with the cluster (serve.shutdown() would drain every replica first: too slow); a
+        # shutdown that hangs (a Ctrl-C also reaches Ray's processes) must not keep the others running
+        shutting_down = threading.Thread(target=ray.shutdown, daemon=True)
+        shutting_down.start()
+        shutting_down.join(SHUTDOWN_TIMEOUT_S)
         stop(started)
+        print(f"dflash-serve: stopped {len(started)} processes in {time.monotonic() - stopping:.1f} s", flush=True)
+        if shutting_down.is_alive():  # Ray's exit handlers would wait on it again
+            print(f"dflash-serve: ray.shutdown() took over {SHUTDOWN_TIMEOUT_S} s; its processes were stopped",
+                  file=sys.stderr, flush=True)
+            os._exit(0)

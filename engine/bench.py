@@ -22,7 +22,7 @@ from engine.config import EngineConfig, build_engine, load_models
 from engine.engine import Engine, SamplingParams
 from engine.loading import quantize_int8, stop_token_ids
 from engine.prompts import DEFAULT_PROMPTS, Prompt, chat, read_prompts
-from engine.stats import SpecStats
+from engine.stats import SpecStats, geomean_interval
 from engine.suffix import SuffixProposer
 
 METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
@@ -358,14 +358,17 @@ def paired_ratio(a: list[dict], b: list[dict]) -> float:
 
 
 def key_ratios(methods: dict, batch: dict | None) -> list[str]:
-    """The headline ratios (medians over prompts of paired tokens/s ratios)."""
+    """The headline ratios (medians over prompts of paired tokens/s ratios), each with the geometric mean
+    over prompts and its 95% bootstrap interval."""
     p = {name: m["prompts"] for name, m in methods.items()}
     out = []
     pairs = (("ar", "hf"), ("dflash", "zlab"), ("dflash", "hf"), ("zlab", "hf"), ("dflash+suffix", "ar"),
              ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"))
     for a, b in pairs:
         if a in p and b in p:
-            out.append(f"{a}/{b} {paired_ratio(p[a], p[b]):.2f}x")
+            ci = geomean_interval([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(p[a], p[b])])
+            out.append(f"{a}/{b} {paired_ratio(p[a], p[b]):.2f}x "
+                       f"(geometric mean {ci['geomean']:.2f}x, 95% {ci['low']:.2f}-{ci['high']:.2f})")
     fixed = [n for n in p if n == "dflash" or n.startswith("dflash-b")]
     if "dflash-adaptive" in p and fixed:
         best = max(fixed, key=lambda n: methods[n]["tokens_per_s"])

@@ -5,6 +5,9 @@ per-position acceptance = accepted_per_pos / drafts. Drafts come from a proposer
 suffix: what the context already says); the totals count every proposer, `by_proposer` each apart.
 """
 
+import math
+import random
+import statistics
 from dataclasses import dataclass, field
 
 
@@ -89,3 +92,13 @@ class SpecStats:
                                  "mean_acceptance_length": s.mean_acceptance_length}
                           for name, s in sorted(self.by_proposer.items())},
         }
+
+
+def geomean_interval(ratios: list[float], resamples: int = 10_000) -> dict:
+    """Geometric mean of ratios with a 95% percentile-bootstrap interval (seeded: the same runs give the
+    same interval)."""
+    logs = [math.log(r) for r in ratios]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    return {"n": len(logs), "geomean": math.exp(statistics.fmean(logs)),
+            "low": math.exp(means[int(0.025 * resamples)]), "high": math.exp(means[int(0.975 * resamples) - 1])}

@@ -26,7 +26,8 @@ from tqdm import tqdm
 from engine.config import EngineConfig, build_engine, load_models
 from engine.engine import SamplingParams
 from engine.prompts import Message, Prompt
-from loadtest.run import fmt, geomean_interval
+from engine.stats import geomean_interval
+from loadtest.run import fmt
 from loadtest.scenarios import conversations
 
 SCENARIOS = ("chat", "rag", "agent")

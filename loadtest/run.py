@@ -23,7 +23,6 @@ under load at a time, each replica runs 1 torch thread, and the load generator u
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from deployments.config import AppConfig
+from engine.stats import geomean_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = ROOT / "loadtest" / "locustfile.py"
@@ -283,16 +283,6 @@ def comparisons(results: dict) -> dict:
                                                          cells["adaptive"]["output_tokens_per_s"])
             out.setdefault(scenario, {})[users] = row
     return out
-
-
-def geomean_interval(ratios: list[float], resamples: int = 10_000) -> dict:
-    """Geometric mean of ratios with a 95% percentile-bootstrap interval (seeded: the same runs give the
-    same interval)."""
-    logs = [math.log(r) for r in ratios]
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
-    return {"n": len(logs), "geomean": math.exp(statistics.fmean(logs)),
-            "low": math.exp(means[int(0.025 * resamples)]), "high": math.exp(means[int(0.975 * resamples) - 1])}
 
 
 def pooled(results: dict) -> dict | None:
