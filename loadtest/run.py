@@ -226,9 +226,8 @@ def median_run(repeats: list[dict]) -> dict:
     plus every run's tokens/s and the cell's totals of requests and failures."""
     ranked = sorted(repeats, key=lambda c: c["output_tokens_per_s"] or 0)
     cell = dict(ranked[(len(ranked) - 1) // 2])
-    if len(repeats) > 1:
-        cell.update(tokens_per_s_runs=[c["output_tokens_per_s"] for c in repeats],
-                    requests=sum(c["requests"] for c in repeats), failures=sum(c["failures"] for c in repeats))
+    cell.update(tokens_per_s_runs=[c["output_tokens_per_s"] for c in repeats],
+                requests=sum(c["requests"] for c in repeats), failures=sum(c["failures"] for c in repeats))
     return cell
 
 
