@@ -288,8 +288,8 @@ def pooled(results: dict) -> dict | None:
     """Adaptive's tok/s over every paired repeat of every scenario and load, against
     - same_repeat: the best fixed block of the same repeat. This favours the fixed blocks: the best of
       several noisy runs picks up their noise (a variant equal to the fixed ones would lose);
-    - chosen_ahead: the fixed block that was best in the cell's other repeats, measured in this one: a
-      block chosen before the run, as an operator would choose one;
+    - chosen_ahead (when every cell has 2 runs or more): the fixed block that was best in the cell's other
+      repeats, measured in this one: a block chosen before the run, as an operator would choose one;
     - one_block: the fixed block that is best over all scenarios and loads together, a server's one setting;
     - ar: the server without speculation."""
     same, ahead, ar, by_block = [], [], [], {}
@@ -304,8 +304,9 @@ def pooled(results: dict) -> dict | None:
             ar_runs = cells.get("ar", {}).get("tokens_per_s_runs")
             n = len(paired)
             for i, a in enumerate(runs["adaptive"]):
-                choice = max(fixed, key=lambda v: sum(runs[v][j] for j in range(n) if j != i))
-                ahead.append(ratio(a, runs[choice][i]))
+                if n > 1:  # a block chosen ahead needs the cell's other repeats
+                    choice = max(fixed, key=lambda v: sum(runs[v][j] for j in range(n) if j != i))
+                    ahead.append(ratio(a, runs[choice][i]))
                 for v in fixed:
                     by_block.setdefault(v, []).append(ratio(a, runs[v][i]))
                 if ar_runs and len(ar_runs) == n:
@@ -313,7 +314,9 @@ def pooled(results: dict) -> dict | None:
     if len(same) < 2 or not all(same + ahead + ar):
         return None
     one = {v: geomean_interval(r) for v, r in by_block.items() if len(r) == len(same)}
-    out = {"same_repeat": geomean_interval(same), "chosen_ahead": geomean_interval(ahead)}
+    out = {"same_repeat": geomean_interval(same)}
+    if len(ahead) == len(same):
+        out["chosen_ahead"] = geomean_interval(ahead)
     if one:
         best = min(one, key=lambda v: one[v]["geomean"])
         out["one_block"] = {**one[best], "block": best}

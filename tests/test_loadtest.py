@@ -107,6 +107,8 @@ def test_pooled_over_repeats_against_blocks_chosen_three_ways():
     assert pool["one_block"]["block"] == "b2"
     assert pool["one_block"]["geomean"] == pytest.approx(geo([10 / 9, 12 / 13, 11 / 10, 1, 1]))
     assert pool["ar"]["geomean"] == pytest.approx(geo([2, 12 / 5, 11 / 5, 2, 2]))
+    one_run = {s: {1: {v: cell(c["tokens_per_s_runs"][:1]) for v, c in cells[1].items()}} for s, cells in results.items()}
+    assert "chosen_ahead" not in pooled(one_run) and pooled(one_run)["same_repeat"]["n"] == 2  # no other repeats
     for g in pool.values():
         assert g["low"] <= g["geomean"] <= g["high"]
     assert pooled({"chat": {1: {"b2": cell([1, 2]), "adaptive": cell([1])}}}) is None  # unpaired repeats
