@@ -366,8 +366,9 @@ def key_ratios(methods: dict, batch: dict | None) -> list[str]:
              ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"))
     for a, b in pairs:
         if a in p and b in p:
-            ci = geomean_interval([x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(p[a], p[b])])
-            out.append(f"{a}/{b} {paired_ratio(p[a], p[b]):.2f}x "
+            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(p[a], p[b])]
+            ci = geomean_interval(ratios)
+            out.append(f"{a}/{b} {statistics.median(ratios):.2f}x "
                        f"(geometric mean {ci['geomean']:.2f}x, 95% {ci['low']:.2f}-{ci['high']:.2f})")
     fixed = [n for n in p if n == "dflash" or n.startswith("dflash-b")]
     if "dflash-adaptive" in p and fixed:
