@@ -280,7 +280,7 @@ class VerifierReplica(_MirrorReplica):
     def _verify(self, helds, blocks, probs, proposers) -> list[Verified | Lost]:
         self._free_evicted()
         mirrors = [self._live(h) for h in helds]
-        rows = [i for i, r in enumerate(mirrors) if r is not None]
+        rows = sorted((i for i, r in enumerate(mirrors) if r is not None), key=lambda i: mirrors[i].target_slot)
         results = [Lost()] * len(helds)
         if not rows:
             return results
@@ -359,7 +359,7 @@ class DrafterReplica(_MirrorReplica):
                 mirrors.append(r)
             else:
                 mirrors.append(self._live(held))
-        rows = [i for i, r in enumerate(mirrors) if r is not None]
+        rows = sorted((i for i, r in enumerate(mirrors) if r is not None), key=lambda i: mirrors[i].draft_slot)
         results = [Lost()] * len(helds)
         if not rows:
             return results

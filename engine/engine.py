@@ -121,6 +121,11 @@ def prefill_group(new: list, budget: int) -> list:
     return group
 
 
+def by_slot(requests) -> list:
+    """Requests in the order of their KV slots: the batch order in which their slots read as one view."""
+    return sorted(requests, key=lambda r: r.target_slot)
+
+
 @dataclass
 class DraftBlock:
     """What the drafter proposes for a batch: drafts for block positions 1..b-1."""
@@ -282,10 +287,10 @@ class Engine:
     @torch.inference_mode()
     def _step(self) -> list[StepOutput]:
         new = [r for r in self.requests.values() if not r.output_ids]
-        running = [r for r in self.requests.values() if r.output_ids]
+        running = by_slot(r for r in self.requests.values() if r.output_ids)
         if new and not (running and self._prefilled_last):
             self._prefilled_last = True
-            group = prefill_group(new, self.prefill_token_budget)
+            group = by_slot(prefill_group(new, self.prefill_token_budget))
             return self._finish_step(group, self.prefill(group), speculative=False)
         self._prefilled_last = False
         if not running:

@@ -6,16 +6,23 @@ that owns it. Entries past a slot's length are stale and simply overwritten late
 draft is `crop`, never a copy). Column `max_len` is a trash column where padded rows write.
 """
 
+import heapq
+
 import torch
 
 
 class SlotTable:
-    """Which slots are in use and how many positions each holds (the bookkeeping every cache shares)."""
+    """Which slots are in use and how many positions each holds (the bookkeeping every cache shares).
+
+    A new request gets the lowest free slot, so the slots in use stay packed at the bottom and a batch
+    taken in slot order is usually a run of consecutive slots: the model then reads its keys and values
+    as a view of the cache, not a gathered copy (at batch 16 the copy cost ~0.7 ms a layer, docs/design.md).
+    """
 
     def __init__(self, num_slots, max_len):
         self.max_len = max_len
         self.lengths = [0] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._free = list(range(num_slots))  # a heap
 
     @property
     def num_slots(self):
@@ -28,7 +35,7 @@ class SlotTable:
     def allocate(self):
         if not self._free:
             raise RuntimeError(f"all {self.num_slots} KV-cache slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
@@ -36,7 +43,7 @@ class SlotTable:
         if slot in self._free:
             raise ValueError(f"KV-cache slot {slot} is already free")
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     def crop(self, slot, length):
         self.lengths[slot] = length

@@ -299,6 +299,28 @@ def test_stream_abort_frees_slots():
     assert engine.target_cache.num_used == 0 and engine.num_running == 0
 
 
+def test_after_churn_a_decode_batch_reads_its_slots_as_one_view():
+    """A finished request's slot goes to the next request and steps take requests in slot order, so
+    the target reads a step's keys and values as a slice of the cache, not a gathered copy."""
+    target, drafter = tiny_models()
+    engine = Engine(target, drafter, max_slots=4)
+    reads = []
+    read = engine.target_cache.read
+    engine.target_cache.read = lambda layer, index, kv_len: reads.append(index) or read(layer, index, kv_len)
+    params = SamplingParams(max_tokens=30, block_size=4)
+    for prompt in random_prompts(4, TINY.vocab_size, seed=1):
+        engine.add_request(prompt, params)
+    first = engine.requests[min(engine.requests)]
+    engine.release(first)  # leaves a hole at slot 0 behind slots 1-3
+    late = engine.add_request([1, 2, 3], params)  # arrives last, takes slot 0
+    assert late.target_slot == 0
+    while engine.num_running and late.output_ids == []:
+        engine.step()  # prefills
+    reads.clear()
+    engine.step()  # a decode step over slots 0-3, the late request first
+    assert reads and all(isinstance(index, slice) for index in reads)
+
+
 def test_stop_tokens_and_max_tokens():
     target, drafter = tiny_models()
     prompt = [1, 2, 3]
