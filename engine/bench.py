@@ -352,9 +352,14 @@ def compare(recs: list[dict], base: list[dict], stops) -> dict:
     return {"matches_target": all(same), "match_rate": sum(same) / len(same), "first_divergence": div}
 
 
+def prompt_ratios(a: list[dict], b: list[dict]) -> list[float]:
+    """a's tokens/s over b's, prompt by prompt (each prompt measured side by side)."""
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+
+
 def paired_ratio(a: list[dict], b: list[dict]) -> float:
-    """Median over prompts of a's tokens/s over b's, each prompt measured side by side."""
-    return statistics.median(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b))
+    """Median over prompts of a's tokens/s over b's."""
+    return statistics.median(prompt_ratios(a, b))
 
 
 def key_ratios(methods: dict, batch: dict | None) -> list[str]:
@@ -366,7 +371,7 @@ def key_ratios(methods: dict, batch: dict | None) -> list[str]:
              ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"))
     for a, b in pairs:
         if a in p and b in p:
-            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(p[a], p[b])]
+            ratios = prompt_ratios(p[a], p[b])
             ci = geomean_interval(ratios)
             out.append(f"{a}/{b} {statistics.median(ratios):.2f}x "
                        f"(geometric mean {ci['geomean']:.2f}x, 95% {ci['low']:.2f}-{ci['high']:.2f})")

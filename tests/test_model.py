@@ -235,7 +235,8 @@ def test_kv_cache_bookkeeping():
     with pytest.raises(ValueError, match="already free"):
         cache.free(1)
     assert cache.allocate() == 1 and cache.num_used == 3
-    cache.free(0), cache.free(2)
+    cache.free(0)
+    cache.free(2)
     assert [cache.allocate(), cache.allocate()] == [0, 2]  # the lowest free slot first: used slots stay packed
 
 
