@@ -546,13 +546,9 @@ class Engine:
 
     def _probs(self, requests, logits):
         """Sampling distributions for [batch, n, vocab] logits with each row's own parameters."""
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=device)
-        top_k = torch.tensor([r.params.top_k for r in requests], device=device)
-        if all(r.params.top_k <= 0 and r.params.top_p >= 1 for r in requests):
-            # nothing to cut away: a plain softmax (sampling_probs' sort is dear on a CPU)
-            return (logits.float() / temperature.view(-1, *[1] * (logits.dim() - 1))).softmax(-1)
-        top_p = torch.tensor([float(r.params.top_p) for r in requests], device=device)
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in requests], device=logits.device)
+        top_k = torch.tensor([r.params.top_k for r in requests])  # on the host: see sampling_probs
+        top_p = torch.tensor([float(r.params.top_p) for r in requests])
         return sampling_probs(logits, temperature, top_k, top_p)
 
     def _accept(self, requests, draft_ids, draft_probs, logits, num_draft):

@@ -19,6 +19,11 @@ Generators = Optional[Sequence[Optional[torch.Generator]]]
 _TINY = torch.finfo(torch.float32).tiny
 
 
+# top-p looks for a row's nucleus among its this many most probable tokens, and sorts the row's whole
+# vocabulary only when the nucleus is wider (a flat distribution at a high top_p)
+TOP_P_CANDIDATES = 256
+
+
 def sampling_probs(logits, temperature, top_k, top_p):
     """Probabilities after temperature, then top-k, then top-p (float32, each row sums to 1).
 
@@ -27,24 +32,57 @@ def sampling_probs(logits, temperature, top_k, top_p):
     top_k:       [B] long, <= 0 disables
     top_p:       [B] float, >= 1 disables; keeps the smallest most-probable set with mass >= top_p
                  (measured after top-k renormalisation), always at least the top token.
-    Scalars are accepted for the three parameters and broadcast to every row.
+    Scalars are accepted for the three parameters and broadcast to every row. Ties at a cut keep the
+    lowest ids (as a stable sort would), so top_k=1 agrees with argmax. Pass top_k and top_p as host
+    values (lists, CPU tensors): which cuts to make is decided on the host. Nothing sorts the
+    vocabulary but a top-p row whose nucleus reaches past TOP_P_CANDIDATES tokens.
     """
-    vocab = logits.shape[-1]
     rows = (-1,) + (1,) * (logits.dim() - 1)  # broadcast a [B] parameter over [B, ..., V]
+    top_k, top_p = torch.as_tensor(top_k, device="cpu"), torch.as_tensor(top_p, device="cpu").float()
+    k_max = min(int(top_k.max()), logits.shape[-1])
+    cut_p = bool((top_p < 1).any())
     temperature = torch.as_tensor(temperature, device=logits.device).float().view(rows)
-    top_k = torch.as_tensor(top_k, device=logits.device).view(rows)
-    top_p = torch.as_tensor(top_p, device=logits.device).float().view(rows)
+    scores = logits.float() / temperature
+    if k_max > 0:
+        scores = _top_k_keep(scores, top_k.to(logits.device).view(rows), k_max)
+    probs = scores.softmax(-1)
+    if not cut_p:
+        return probs
+    probs = probs.masked_fill(~_top_p_keep(probs, top_p.to(logits.device).view(rows)), 0.0)
+    return probs / probs.sum(-1, keepdim=True)
 
-    # stable sort: ties keep the lowest id first, so top_k=1 agrees with argmax
-    sorted_logits, order = (logits.float() / temperature).sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)
-    keep = (rank < top_k) | (top_k <= 0)                                      # [B, 1, V]
-    probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)      # [B, n, V]
-    keep = keep & ((probs.cumsum(-1) - probs < top_p) | (top_p >= 1))
-    keep[..., 0] = True
-    probs = probs.masked_fill(~keep, 0.0)
-    probs = probs / probs.sum(-1, keepdim=True)
-    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+def _keep_first(x, cut, count):
+    """Mask of the entries of x above cut, then of those equal to it, lowest ids first, up to count
+    entries in all (cut, count: [..., 1])."""
+    above = x > cut
+    tied = x == cut
+    return above | (tied & (tied.cumsum(-1) <= count - above.sum(-1, keepdim=True)))
+
+
+def _top_k_keep(scores, top_k, k_max):
+    """scores with all but each row's top_k largest set to -inf (top_k <= 0: all kept)."""
+    largest = scores.topk(k_max, dim=-1).values                       # [..., k_max], descending
+    k = top_k.clamp(1, k_max).expand(*scores.shape[:-1], 1)
+    keep = _keep_first(scores, largest.gather(-1, k - 1), k) | (top_k <= 0)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _top_p_keep(probs, top_p):
+    """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1)."""
+    vocab = probs.shape[-1]
+    flat = probs.reshape(-1, vocab)
+    top_p = top_p.expand(*probs.shape[:-1], 1).reshape(-1, 1)
+    largest = flat.topk(min(TOP_P_CANDIDATES, vocab), dim=-1).values  # descending
+    mass = largest.cumsum(-1)
+    count = (mass - largest < top_p).sum(-1, keepdim=True).clamp_min(1)
+    cut = largest.gather(-1, count - 1)
+    wide = ((mass[:, -1] < top_p[:, 0]) & (top_p[:, 0] < 1)).nonzero()[:, 0]  # nuclei past the candidates
+    if len(wide):
+        ordered = flat[wide].sort(dim=-1, descending=True).values
+        count[wide] = (ordered.cumsum(-1) - ordered < top_p[wide]).sum(-1, keepdim=True).clamp_min(1)
+        cut[wide] = ordered.gather(-1, count[wide] - 1)
+    return (_keep_first(flat, cut, count) | (top_p >= 1)).view(probs.shape)
 
 
 def _rows(fill: Callable, shape, generators: Generators, device) -> torch.Tensor:

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.sampling import sample, sampling_probs, uniform_rows, verify_greedy, verify_rejection
+from engine.sampling import (TOP_P_CANDIDATES, sample, sampling_probs, uniform_rows, verify_greedy,
+                             verify_rejection)
 
 
 def _params(batch, temperature=1.0, top_k=0, top_p=1.0):
@@ -85,6 +86,25 @@ def test_mixed_rows_match_per_row_and_reference():
                                    top_p[b].item())
             torch.testing.assert_close(probs[b, i].double(), ref, atol=1e-5, rtol=0)
             assert torch.equal(probs[b, i] > 0, ref > 0)
+
+
+def test_ties_and_nuclei_wider_than_the_candidates_match_reference():
+    """Cuts inside runs of equal logits keep the lowest ids, as a stable sort would, and a nucleus
+    reaching past the TOP_P_CANDIDATES most probable tokens is still found exactly."""
+    torch.manual_seed(1)
+    vocab = 3 * TOP_P_CANDIDATES
+    tied = torch.randint(0, 4, (3, vocab)).float()        # long runs of equal logits
+    flat = torch.randn(2, vocab) * 0.1                      # nuclei of hundreds of tokens
+    logits = torch.cat([tied, flat]).unsqueeze(1)           # [5, 1, V]
+    temperature = torch.ones(5)
+    top_k = torch.tensor([10, 0, 300, 0, 0])
+    top_p = torch.tensor([1.0, 0.3, 0.7, 0.95, 0.999])
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    for b in range(5):
+        ref = _reference_probs(logits[b, 0], 1.0, top_k[b].item(), top_p[b].item())
+        assert torch.equal(probs[b, 0] > 0, ref > 0), b
+        torch.testing.assert_close(probs[b, 0].double(), ref, atol=1e-6, rtol=0)
+    assert (probs[3:, 0] > 0).sum(-1).min() > TOP_P_CANDIDATES  # the wide case was exercised
 
 
 # --------------------------------------------------------------------------- verify_greedy
