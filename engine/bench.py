@@ -44,6 +44,7 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    unseeded: bool = False  # sampled requests carry no seed, as a server's usually do (suffix drafts on)
     # our engines' settings; each method sets its own policy, and the bench its slots and context length
     engine: EngineConfig = field(default_factory=EngineConfig)
     batch_size: int | None = None
@@ -81,7 +82,8 @@ def hf_method(model, stops, lookup: bool) -> Method:
     extra = {"prompt_lookup_num_tokens": 10} if lookup else {}
 
     def generate(ids, p):
-        torch.manual_seed(p.seed)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} if p.temperature > 0 else {}
         input_ids = torch.tensor([ids], device=model.device)
         out = model.generate(
@@ -101,7 +103,8 @@ def zlab_method(draft_model, model, stops, block_size) -> Method:
         dflash.model._cuda_time = time.perf_counter
 
     def generate(ids, p):
-        torch.manual_seed(p.seed)
+        if p.seed is not None:
+            torch.manual_seed(p.seed)
         out = dflash.model.dflash_generate(
             draft_model, model, torch.tensor([ids], device=model.device), p.max_tokens, list(stops),
             p.temperature, p.top_p, p.top_k, block_size, return_stats=True,
@@ -210,7 +213,7 @@ def engine_configs(cfg: BenchConfig, block_size: int, max_len: int) -> dict[str,
 def sampling_params(cfg: BenchConfig, index: int, max_tokens: int | None = None) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens or cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-        top_k=cfg.top_k, seed=cfg.seed + index,
+        top_k=cfg.top_k, seed=None if cfg.unseeded else cfg.seed + index,
     )
 
 

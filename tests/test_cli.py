@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_serve import cli
-from engine.bench import first_divergence, until_stop
+from engine.bench import BenchConfig, first_divergence, sampling_params, until_stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -168,6 +168,17 @@ def test_bench_int8_drafter():
                      "--block-sizes", "4", "--dtype", "float32", "--draft", "random")
     assert result.returncode == 0, result.stderr
     assert "--int8-drafter: our methods use the int8 drafter" in result.stdout
+
+
+def test_bench_unseeded_requests_carry_no_seed():
+    """Seeded by default (outputs comparable across methods); --unseeded sends what a server usually
+    gets, and runs end to end (transformers' sampling with no seed set, ours with suffix drafts)."""
+    assert sampling_params(BenchConfig(temperature=0.7, seed=5), 3).seed == 8
+    assert sampling_params(BenchConfig(temperature=0.7, unseeded=True), 3).seed is None
+    result = run_cli("bench", "--methods", "hf,dflash+suffix", "--unseeded", "--temperature", "0.8", "--num-prompts", "1",
+                     "--max-new-tokens", "8", "--dtype", "float32", "--draft", "random")
+    assert result.returncode == 0, result.stderr
+    assert "dflash+suffix" in result.stdout
 
 
 @pytest.mark.slow
