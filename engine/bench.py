@@ -114,16 +114,18 @@ def zlab_method(draft_model, model, stops, block_size) -> Method:
     return generate
 
 
-def fresh_suffix_index(engine: Engine):
-    """An empty suffix index before each timed run: a prompt's own earlier output (a warm-up, an earlier
-    repeat) would otherwise be proposed back to it, which no real request gets."""
+def fresh_state(engine: Engine):
+    """An empty suffix index and no finished request's cache to start from before each timed run: a
+    prompt's own earlier run (a warm-up, an earlier repeat) would otherwise be proposed back to it, or
+    spare it its prefill, which no real request gets."""
     if engine.suffix is not None:
         engine.suffix = SuffixProposer(engine.suffix.config)
+    engine.forget_finished()
 
 
 def engine_method(engine: Engine, block_size: int | None) -> Method:
     def generate(ids, p):
-        fresh_suffix_index(engine)
+        fresh_state(engine)
         r = engine.generate_batch([ids], replace(p, block_size=block_size))[0]
         spec = engine.drafter is not None or engine.suffix is not None
         return Generation(r.output_ids, r.acceptance_lengths if spec else None, r.stats if spec else None)
@@ -278,7 +280,7 @@ def run_batch(cfg: BenchConfig, s: Setup, records) -> dict:
         batched = [replace(p, block_size=config.block_size) for p in params]
         runs = []
         for _ in range(cfg.repeats):
-            fresh_suffix_index(engine)
+            fresh_state(engine)
             runs.append(timed(lambda: engine.generate_batch(prompts, batched)))
         requests, seconds = min(runs, key=lambda run: run[1])
         single = [records[name][i] for i in indices]

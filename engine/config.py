@@ -59,6 +59,10 @@ class EngineConfig:
     proposers: str = knob(
         "dflash,suffix", "comma list of draft sources: dflash (the drafter's block), suffix (what the request's "
         "context and recent outputs already say); with both the policy picks one per request and step")
+    prefix_cache: bool = knob(
+        True, "a new prompt starts from the cached keys and values of a running or recently finished request "
+              "whose tokens begin it (agent turns, a shared system prompt); not with shards or the "
+              "disaggregated topology")
     suffix_index_tokens: int = knob(
         200_000, "recent output tokens the suffix proposer keeps for all requests of a replica (oldest evicted; "
         "with API keys on, each key's outputs are proposed to that key only)", minimum=0)
@@ -129,6 +133,7 @@ def build_engine(config: EngineConfig, loaded: Loaded | None = None, *, target=N
         feature_layers=feature_layers, reduced_draft_head=not config.full_draft_head,
         prefill_token_budget=config.prefill_token_budget, backlog_call_positions=config.backlog_call_positions,
         suffix=suffix_proposer(config) if drafts else None,
+        prefix_cache=config.prefix_cache and drafts and target is loaded.target,
     )
 
 

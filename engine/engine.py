@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.drafter import DraftHead
+from engine.kv_cache import KVCache
 from engine.policy import BlockPolicy, FixedBlockPolicy
 from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
 from engine.stats import SpecStats
@@ -57,6 +58,7 @@ class Request:
     target_slot: int = -1
     draft_slot: int = -1
     num_cached: int = 0
+    num_prefix_cached: int = 0  # prompt positions reused from another request's cache (not prefilled)
     pending_features: torch.Tensor | None = None  # [c, n_layers * hidden]
     # seeded requests: one random stream for drafting and one for verifying, so a drafter and a
     # verifier in different processes reproduce exactly what one process does
@@ -107,6 +109,9 @@ class StepOutput:
 PREFILL_TOKEN_BUDGET = 2048
 SUFFIX_BLOCK = 16  # the largest block a suffix draft fills when there is no drafter to set it
 BACKLOG_CALL_POSITIONS = 64  # set by eye from CPU timings, not tuned
+# A prompt reuses another request's cached positions only when they are at least this many and an eighth
+# of the prompt: a prefill from position 0 runs unmasked attention, which a short reuse would give up.
+PREFIX_MIN_TOKENS = 32
 
 
 def prefill_group(new: list, budget: int) -> list:
@@ -119,6 +124,18 @@ def prefill_group(new: list, budget: int) -> list:
             break
         group.append(r)
     return group
+
+
+def common_prefix(a: list, b: list, limit: int) -> int:
+    """How many leading entries a and b share, at most limit."""
+    n, step = 0, 64
+    while step and n < limit:  # whole chunks first, then the last chunk entry by entry
+        end = min(n + step, limit)
+        if a[n:end] == b[n:end]:
+            n = end
+        else:
+            step //= 8
+    return n
 
 
 def by_slot(requests) -> list:
@@ -166,13 +183,16 @@ class Engine:
         suffix: SuffixProposer | None = None,
         prefill_token_budget: int = PREFILL_TOKEN_BUDGET,
         backlog_call_positions: int | None = BACKLOG_CALL_POSITIONS,
+        prefix_cache: bool = False,
     ):
         """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
         Give them to an engine without a drafter that serves a drafter in another process.
         reduced_draft_head: when the drafter has a draft vocabulary, score only those tokens.
         suffix: a SuffixProposer: each step, each request verifies either the drafter's block or what its
         context already says (the policy's `suffix_widths` decides), with or without a drafter.
-        prefill_token_budget, backlog_call_positions: see EngineConfig (engine/config.py)."""
+        prefill_token_budget, backlog_call_positions: see EngineConfig (engine/config.py).
+        prefix_cache: a new prompt starts from the cached positions of a running or finished request whose
+        tokens begin it (needs both caches here as KVCaches: not with shards or a drafter elsewhere)."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -198,6 +218,11 @@ class Engine:
         vocab = getattr(drafter, "draft_vocab", None) if reduced_draft_head else None
         # only an engine that drafts reads the LM head here (a sharded target has none in this process)
         self.draft_head = DraftHead(target.lm_head, vocab) if drafter is not None else None
+        self.prefix_cache = (prefix_cache and isinstance(self.target_cache, KVCache)
+                             and (drafter is not None or not self.feature_layers))
+        # target slot -> (tokens, positions cached, drafter slot) of a finished request, until a new
+        # request takes either slot
+        self._finished_slots: dict[int, tuple[list[int], int, int]] = {}
         self.suffix = suffix
         self.stats = SpecStats()
         self.requests: dict[int, Request] = {}
@@ -232,9 +257,15 @@ class Engine:
         if params.seed is not None:
             request.draft_generator = torch.Generator(self.device).manual_seed(params.seed)
             request.verify_generator = torch.Generator(self.device).manual_seed(params.seed + 1)
+        source = self._prefix_source(request.prompt_ids) if self.prefix_cache else None
         request.target_slot = self.target_cache.allocate()
         if self.drafter is not None:
             request.draft_slot = self.draft_cache.allocate()
+        if source is not None:
+            self._reuse_prefix(request, *source)
+        for slot, (_, _, draft_slot) in list(self._finished_slots.items()):
+            if slot == request.target_slot or draft_slot == request.draft_slot >= 0:
+                del self._finished_slots[slot]
         if self.suffix is not None:
             self.suffix.add_request(request.request_id, request.prompt_ids, tenant)
         self.requests[request.request_id] = request
@@ -244,6 +275,11 @@ class Engine:
         """Free a request's slots in both caches (finished, aborted or failed)."""
         if self.requests.pop(request.request_id, None) is None:
             return
+        if self.prefix_cache and request.finish_reason in ("stop", "length", "abort"):
+            cached = self._cached_positions(request.target_slot, request.draft_slot)
+            if cached >= PREFIX_MIN_TOKENS:
+                tokens = request.prompt_ids + request.output_ids
+                self._finished_slots[request.target_slot] = (tokens, cached, request.draft_slot)
         self.target_cache.free(request.target_slot)
         if request.draft_slot >= 0:
             self.draft_cache.free(request.draft_slot)
@@ -252,6 +288,36 @@ class Engine:
         request.pending_features = None
         if not self.requests:
             self._last_step_end = None
+
+    def _cached_positions(self, target_slot, draft_slot) -> int:
+        """Positions both caches hold for the request in these slots (the drafter's may lag the target's)."""
+        cached = self.target_cache.lengths[target_slot]
+        return cached if draft_slot < 0 else min(cached, self.draft_cache.lengths[draft_slot])
+
+    def _prefix_source(self, prompt_ids) -> tuple[int, int, int] | None:
+        """(positions, target slot, drafter slot) of the running or finished request whose cached tokens
+        begin the prompt furthest; None if that is too short to be worth it. The prompt's last position
+        is always run (its logits give the first token)."""
+        sources = [(r.prompt_ids + r.output_ids, self._cached_positions(r.target_slot, r.draft_slot), r.target_slot,
+                    r.draft_slot) for r in self.requests.values() if r.output_ids]
+        sources += [(tokens, cached, slot, draft_slot) for slot, (tokens, cached, draft_slot) in self._finished_slots.items()]
+        best = (0, -1, -1)
+        for tokens, cached, slot, draft_slot in sources:
+            n = common_prefix(prompt_ids, tokens, min(cached, len(prompt_ids) - 1))
+            best = max(best, (n, slot, draft_slot))
+        return best if best[0] >= max(PREFIX_MIN_TOKENS, len(prompt_ids) // 8) else None
+
+    def _reuse_prefix(self, request, positions, target_slot, draft_slot):
+        """Copy the source's first `positions` keys and values into the request's own slots; its
+        prefill then runs the rest of the prompt."""
+        self.target_cache.copy_prefix(target_slot, request.target_slot, positions)
+        if request.draft_slot >= 0:
+            self.draft_cache.copy_prefix(draft_slot, request.draft_slot, positions)
+        request.num_cached = request.num_prefix_cached = positions
+
+    def forget_finished(self):
+        """Reuse no finished request's cache from now on (running requests' caches are still reused)."""
+        self._finished_slots.clear()
 
     def abort(self, request_id: int):
         request = self.requests.get(request_id)
@@ -393,23 +459,26 @@ class Engine:
 
     @torch.inference_mode()
     def prefill(self, requests: list[Request]) -> list[list[int]]:
-        """Run prompts through the target; sample each request's first token."""
-        lengths = [len(r.prompt_ids) for r in requests]
+        """Run prompts through the target (from the positions a request already holds, its reused
+        prefix); sample each request's first token."""
+        starts = [r.num_cached for r in requests]
+        lengths = [len(r.prompt_ids) - start for r, start in zip(requests, starts)]  # positions to run
         width = max(lengths)
         input_ids = torch.zeros(len(requests), width, dtype=torch.long)
         positions = torch.full((len(requests), width), -1, dtype=torch.long)
         for i, r in enumerate(requests):
-            input_ids[i, : lengths[i]] = torch.tensor(r.prompt_ids)
-            positions[i, : lengths[i]] = torch.arange(lengths[i])
+            input_ids[i, : lengths[i]] = torch.tensor(r.prompt_ids[starts[i]:])
+            positions[i, : lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
         last = torch.tensor(lengths)[:, None] - 1
         logits, features = self.target(
             input_ids.to(self.device), positions.to(self.device), self.target_cache,
-            self._slots(requests, "target_slot"), width, self.feature_layers, last.to(self.device),
+            self._slots(requests, "target_slot"), max(len(r.prompt_ids) for r in requests), self.feature_layers,
+            last.to(self.device),
         )
         first = self._sample_next(requests, logits)
         for i, r in enumerate(requests):
-            r.num_cached = lengths[i]
-            self.target_cache.crop(r.target_slot, lengths[i])
+            r.num_cached = len(r.prompt_ids)
+            self.target_cache.crop(r.target_slot, r.num_cached)
             if features is not None:
                 r.pending_features = features[i, : lengths[i]]
         return [[t] for t in first]

@@ -69,6 +69,13 @@ class KVCache(SlotTable):
         self.k[layer][slot_ids, :, write_pos] = k.transpose(1, 2)
         self.v[layer][slot_ids, :, write_pos] = v.transpose(1, 2)
 
+    def copy_prefix(self, src, dst, length):
+        """Give slot dst the keys and values of slot src's positions 0..length-1 (src unchanged)."""
+        if src != dst:
+            self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+            self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.lengths[dst] = length
+
     def read(self, layer, read_index, kv_len):
         """Keys and values of positions 0..kv_len-1 of each slot: two [batch, heads, kv_len, dim]."""
         return self.k[layer][read_index, :, :kv_len], self.v[layer][read_index, :, :kv_len]

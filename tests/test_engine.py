@@ -321,6 +321,53 @@ def test_after_churn_a_decode_batch_reads_its_slots_as_one_view():
     assert reads and all(isinstance(index, slice) for index in reads)
 
 
+def test_prompts_that_extend_other_requests_start_from_their_cache_and_stay_exact():
+    """A prompt that extends a finished request's tokens (the next agent turn), or shares a long prefix
+    with a running one (a system prompt), copies those keys and values and prefills the rest: same output
+    and the same drafts as a full prefill (float32). A slot taken over by another prompt is not reused."""
+    target, drafter = tiny_models(seed=6)
+    rng = random.Random(6)
+    tokens = lambda n: [rng.randrange(TINY.vocab_size) for _ in range(n)]
+    params = SamplingParams(max_tokens=16, block_size=4)
+    cached, plain = Engine(target, drafter, max_slots=3, prefix_cache=True), Engine(target, drafter, max_slots=3)
+
+    def same_as_plain(*requests):
+        while not all(r.finished for r in requests):
+            cached.step()
+        for r in requests:
+            ref = plain.generate_batch([r.prompt_ids], params)[0]
+            assert (r.output_ids, r.acceptance_lengths) == (ref.output_ids, ref.acceptance_lengths)
+
+    first = tokens(45)
+    a = cached.add_request(first, params)
+    same_as_plain(a)
+    b = cached.add_request(first + a.output_ids + tokens(6), params)
+    same_as_plain(b)
+    assert a.num_prefix_cached == 0  # the drafter's cache may lag the target's by the last step's tokens
+    assert len(first) + len(a.output_ids) - 5 <= b.num_prefix_cached <= len(first) + len(a.output_ids) - 1
+
+    taking = cached.add_request(tokens(45), params)  # b's slot, the lowest free one
+    cached.step()  # its prefill overwrites what b left there
+    after_b = cached.add_request(b.prompt_ids + b.output_ids + tokens(6), params)
+    assert after_b.num_prefix_cached == 0
+    same_as_plain(taking, after_b)
+
+    system = tokens(40)
+    running = cached.add_request(system + tokens(5), params)
+    cached.step(), cached.step()  # its prefill, then a step that drafts: both caches hold the system prompt
+    joining, probe = (cached.add_request(system + tokens(5), params) for _ in range(2))
+    assert min(joining.num_prefix_cached, probe.num_prefix_cached) >= len(system)
+    cached.step()  # their prefill, from the positions they copied
+    alone = plain.add_request(probe.prompt_ids, params)
+    plain.step()
+    drafts, ref = cached.draft([probe], [4]), plain.draft([alone], [4])  # the drafter's cache was copied too
+    assert torch.equal(drafts.block_ids, ref.block_ids)
+    torch.testing.assert_close(drafts.confidence, ref.confidence)
+    cached.abort(probe.request_id), plain.abort(alone.request_id)
+    same_as_plain(running, joining)
+    assert cached.target_cache.num_used == cached.draft_cache.num_used == 0
+
+
 def test_stop_tokens_and_max_tokens():
     target, drafter = tiny_models()
     prompt = [1, 2, 3]
