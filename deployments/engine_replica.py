@@ -292,7 +292,8 @@ class EngineReplica:
                 if stream is None:
                     continue
                 self.counters["num_generated_tokens"] += len(out.new_token_ids)
-                stream.queue.put_nowait((out.new_token_ids, out.finish_reason, stream.request.stats.to_dict()))
+                stats = {**stream.request.stats.to_dict(), "cached_prompt_tokens": stream.request.num_prefix_cached}
+                stream.queue.put_nowait((out.new_token_ids, out.finish_reason, stats))
                 if out.finish_reason is not None:
                     self.counters["num_finished"] += 1
                     del self._running[out.request_id]

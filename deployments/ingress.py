@@ -392,6 +392,8 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, stats: dict | None
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_completion_tokens,
         "total_tokens": num_prompt_tokens + num_completion_tokens,
+        # prompt positions reused from another request's cache, not prefilled (OpenAI's field)
+        "prompt_tokens_details": {"cached_tokens": stats.get("cached_prompt_tokens", 0)},
         "spec_decoding": {
             "num_drafts": stats.get("num_drafts", 0),
             "num_draft_tokens": stats.get("num_draft_tokens", 0),

@@ -186,6 +186,20 @@ def test_token_id_prompt_and_block_size_extension(client, reference):
 
 
 @pytest.mark.slow
+def test_the_next_turn_starts_from_the_cached_prompt(client, reference):
+    """A prompt that extends an earlier request's prompt and reply starts from that request's cached keys
+    and values, says so in usage.prompt_tokens_details.cached_tokens, and gets a full prefill's text."""
+    first = "Things to remember: " + ", ".join(f"box {i} holds a {c}" for i, c in enumerate("red blue green" .split() * 8)) + "."
+    out = client.completions.create(model=CONFIG.model_name, prompt=first, max_tokens=8, temperature=0)
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    second = first + out.choices[0].text + " Box 3 holds a"
+    want, _, _ = reference.greedy(reference.text_ids(second), max_tokens=8)
+    again = client.completions.create(model=CONFIG.model_name, prompt=second, max_tokens=8, temperature=0)
+    assert again.choices[0].text == want
+    assert again.usage.prompt_tokens_details.cached_tokens >= len(reference.text_ids(first)) - 1
+
+
+@pytest.mark.slow
 def test_seeded_sampling_repeats(client):
     kw = dict(model=CONFIG.model_name, prompt=TEXT_PROMPT, max_tokens=8, temperature=0.9, top_p=0.95, seed=1234,
               extra_body={"top_k": 50})
