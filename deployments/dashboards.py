@@ -39,6 +39,8 @@ DRAFTS = rate(M + "num_drafts_total", "model")
 # Ray exports a counter only once it was incremented: with nothing accepted yet, count 0 per model
 ACCEPTED = f"({rate(M + 'num_accepted_tokens_total', 'model')} or 0 * {DRAFTS})"
 
+PROMPT = rate(M + "num_prompt_tokens_total", "model")
+
 # (title, unit, description, [(PromQL, legend)]); unit is a Grafana unit id
 PANELS = [
     ("Mean acceptance length", "none",
@@ -62,6 +64,12 @@ PANELS = [
     ("Output tokens/s", "short",
      "Tokens generated for clients per second, all replicas.",
      [(rate(M + "num_generated_tokens_total", "model"), "{{model}}")]),
+    ("Prompt tokens/s", "short",
+     "Prompt tokens of requests that got their first token per second, and those of them taken from another "
+     "request's KV cache instead of prefilled (prefix caching: the next turn of a conversation, a shared system "
+     "prompt).",
+     [(PROMPT, "{{model}} prompt"), (f"({rate(M + 'num_cached_prompt_tokens_total', 'model')} or 0 * {PROMPT})",
+                                     "{{model}} from the prefix cache")]),
     ("Time to first token", "s", "Percentiles over the window.",
      [(quantile(q, "ttft_seconds"), f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)]),
     ("Inter-token latency", "s", "Time between consecutive chunks of committed tokens (one per step).",

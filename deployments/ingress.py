@@ -432,6 +432,8 @@ class Generation:
                 chunk = await self._next_chunk()
                 now = time.monotonic()
                 self.metrics.observe_chunk(len(chunk.token_ids), now - self.start, None if last is None else now - last)
+                if last is None:
+                    self.metrics.observe_prompt(self.num_prompt_tokens, (chunk.stats or {}).get("cached_prompt_tokens", 0))
                 last = now
                 self.stats = chunk.stats
                 delta = self.text.add(chunk.token_ids)

@@ -172,6 +172,10 @@ class RequestMetrics:
             "e2e_latency_seconds", "Time from request to its last token.", REQUEST_BUCKETS_S, labels)
         self.num_generated_tokens = _counter(
             "num_generated_tokens", "Tokens generated for clients (committed by the engine).", labels)
+        self.num_prompt_tokens = _counter("num_prompt_tokens", "Prompt tokens of requests that got a first token.", labels)
+        self.num_cached_prompt_tokens = _counter(
+            "num_cached_prompt_tokens", "Prompt tokens taken from another request's KV cache, not prefilled "
+            "(prefix caching).", labels)
         self.num_requests = _counter(
             "num_requests", "Requests ended, by finish reason: stop, length, or abort (an error, a timeout or the client left).", labels,
             ("finish_reason",))
@@ -184,6 +188,12 @@ class RequestMetrics:
             self.itl.observe(since_last_s)
         if num_tokens:
             self.num_generated_tokens.inc(num_tokens)
+
+    def observe_prompt(self, num_tokens: int, num_cached: int):
+        """A request got its first token: its prompt's size, and how much of it came from a prefix cache."""
+        self.num_prompt_tokens.inc(num_tokens)
+        if num_cached:
+            self.num_cached_prompt_tokens.inc(num_cached)
 
     def observe_finished(self, finish_reason: str, e2e_s: float | None):
         """A request ended; e2e_s is None when it did not finish (abort)."""

@@ -136,7 +136,8 @@ def _request(client, model: str, prompt) -> dict:
                                              max_tokens=MAX_TOKENS, temperature=0)
     else:
         out = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    return {"completion_tokens": out.usage.completion_tokens, **out.usage.model_extra["spec_decoding"]}
+    return {"completion_tokens": out.usage.completion_tokens, "prompt_tokens": out.usage.prompt_tokens,
+            "cached_tokens": out.usage.prompt_tokens_details.cached_tokens, **out.usage.model_extra["spec_decoding"]}
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def test_spec_counters_equal_usage_and_acceptance_length_within_one_percent(prom
     runs, _ = load_run
     app, model, usages = runs[topology]
     total = {k: sum(u[k] for u in usages) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                                     "completion_tokens")}
+                                                     "completion_tokens", "prompt_tokens", "cached_tokens")}
     assert total["num_accepted_tokens"] > 0 and total["num_accepted_tokens"] < total["num_draft_tokens"]
     sel = f'model="{model}", application="{app}"'
     drafts = _wait_for(prometheus, f"sum(ray_dflash_num_drafts_total{{{sel}}})",
@@ -204,6 +205,12 @@ def test_spec_counters_equal_usage_and_acceptance_length_within_one_percent(prom
               lambda v: v == total["completion_tokens"], "generated tokens == sum of completion_tokens")
     _wait_for(prometheus, f"sum(ray_dflash_e2e_latency_seconds_count{{{sel}}})",
               lambda v: v == len(usages), "one end-to-end latency per request")
+    _wait_for(prometheus, f"sum(ray_dflash_num_prompt_tokens_total{{{sel}}})",
+              lambda v: v == total["prompt_tokens"], "prompt tokens == sum of prompt_tokens")
+    _wait_for(prometheus, f"sum(ray_dflash_num_cached_prompt_tokens_total{{{sel}}}) or vector(0)",
+              lambda v: v == total["cached_tokens"], "cached prompt tokens == sum of cached_tokens")
+    if topology == "colocated":  # its rounds repeat the 48-token prompts: later ones start from the cache
+        assert total["cached_tokens"] > 0
 
     from_usage = 1 + total["num_accepted_tokens"] / total["num_drafts"]
     from_counters = scalar(prometheus, f"1 + sum(ray_dflash_num_accepted_tokens_total{{{sel}}})"
