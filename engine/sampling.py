@@ -68,20 +68,23 @@ def _top_k_keep(scores, top_k, k_max):
     return scores.masked_fill(~keep, float("-inf"))
 
 
+def _nucleus(descending, top_p):
+    """(count [..., 1], its smallest probability [..., 1]) of each row's nucleus among its probabilities
+    sorted in descending order."""
+    count = (descending.cumsum(-1) - descending < top_p).sum(-1, keepdim=True).clamp_min(1)
+    return count, descending.gather(-1, count - 1)
+
+
 def _top_p_keep(probs, top_p):
     """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1)."""
     vocab = probs.shape[-1]
     flat = probs.reshape(-1, vocab)
     top_p = top_p.expand(*probs.shape[:-1], 1).reshape(-1, 1)
     largest = flat.topk(min(TOP_P_CANDIDATES, vocab), dim=-1).values  # descending
-    mass = largest.cumsum(-1)
-    count = (mass - largest < top_p).sum(-1, keepdim=True).clamp_min(1)
-    cut = largest.gather(-1, count - 1)
-    wide = ((mass[:, -1] < top_p[:, 0]) & (top_p[:, 0] < 1)).nonzero()[:, 0]  # nuclei past the candidates
+    count, cut = _nucleus(largest, top_p)
+    wide = ((largest.cumsum(-1)[:, -1] < top_p[:, 0]) & (top_p[:, 0] < 1)).nonzero()[:, 0]  # nuclei past the candidates
     if len(wide):
-        ordered = flat[wide].sort(dim=-1, descending=True).values
-        count[wide] = (ordered.cumsum(-1) - ordered < top_p[wide]).sum(-1, keepdim=True).clamp_min(1)
-        cut[wide] = ordered.gather(-1, count[wide] - 1)
+        count[wide], cut[wide] = _nucleus(flat[wide].sort(dim=-1, descending=True).values, top_p[wide])
     return (_keep_first(flat, cut, count) | (top_p >= 1)).view(probs.shape)
 
 
