@@ -25,10 +25,10 @@ from engine.prompts import DEFAULT_PROMPTS, Prompt, chat, read_prompts
 from engine.stats import SpecStats, geomean_interval
 from engine.suffix import SuffixProposer
 
-METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
-NEEDS_DRAFTER = {"zlab", "dflash", "dflash-adaptive", "dflash+suffix", "suffix"}  # speculate: not with --draft none
+METHODS = ("hf", "hf-lookup", "zlab", "ar", "dflash", "dflash-chain", "dflash-adaptive", "suffix", "dflash+suffix")
+NEEDS_DRAFTER = {"zlab", "dflash", "dflash-chain", "dflash-adaptive", "dflash+suffix", "suffix"}  # speculate: not with --draft none
 NEEDS_HF_MODEL = {"hf", "hf-lookup", "zlab"}
-BATCHABLE = ("ar", "dflash", "dflash-adaptive", "suffix", "dflash+suffix")
+BATCHABLE = ("ar", "dflash", "dflash-chain", "dflash-adaptive", "suffix", "dflash+suffix")
 WARMUP_PROMPT = chat("Hi!")
 WARMUP_TOKENS = 8
 
@@ -201,6 +201,7 @@ def engine_configs(cfg: BenchConfig, block_size: int, max_len: int) -> dict[str,
     configs = {"ar": replace(one, draft="none", int8_drafter=False, policy="fixed", block_size=None),
                "dflash": replace(one, policy="fixed", block_size=block_size),
                "dflash-adaptive": replace(one, policy="adaptive", block_size=block_size),
+               "dflash-chain": replace(one, policy="adaptive", block_size=block_size, draft_tree=False),
                "suffix": replace(one, int8_drafter=False, policy="fixed", block_size=None, proposers="suffix"),
                "dflash+suffix": replace(one, policy="adaptive", block_size=block_size, proposers="dflash,suffix")}
     out = {name: configs[name] for name in cfg.methods if name in configs}
@@ -373,7 +374,8 @@ def key_ratios(methods: dict, batch: dict | None) -> list[str]:
     p = {name: m["prompts"] for name, m in methods.items()}
     out = []
     pairs = (("ar", "hf"), ("dflash", "zlab"), ("dflash", "hf"), ("zlab", "hf"), ("dflash+suffix", "ar"),
-             ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"))
+             ("dflash+suffix", "dflash-adaptive"), ("dflash+suffix", "hf-lookup"), ("suffix", "hf-lookup"),
+             ("dflash-adaptive", "dflash-chain"))
     for a, b in pairs:
         if a in p and b in p:
             ratios = prompt_ratios(p[a], p[b])

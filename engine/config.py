@@ -63,6 +63,9 @@ class EngineConfig:
         True, "a new prompt starts from the cached keys and values of a running or recently finished request "
               "whose tokens begin it (agent turns, a shared system prompt); not with shards or the "
               "disaggregated topology")
+    draft_tree: bool = knob(
+        True, "a greedy request verifies a token tree of the drafter's likeliest tokens per position, as many "
+              "as the chain it replaces, instead of that chain; not with shards or the disaggregated topology")
     suffix_index_tokens: int = knob(
         200_000, "recent output tokens the suffix proposer keeps for all requests of a replica (oldest evicted; "
         "with API keys on, each key's outputs are proposed to that key only)", minimum=0)
@@ -134,6 +137,7 @@ def build_engine(config: EngineConfig, loaded: Loaded | None = None, *, target=N
         prefill_token_budget=config.prefill_token_budget, backlog_call_positions=config.backlog_call_positions,
         suffix=suffix_proposer(config) if drafts else None,
         prefix_cache=config.prefix_cache and drafts and target is loaded.target,
+        draft_tree=config.draft_tree and drafts,
     )
 
 

@@ -12,16 +12,18 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from engine.drafter import DraftHead
 from engine.kv_cache import KVCache
+from engine.model import TargetModel
 from engine.policy import BlockPolicy, FixedBlockPolicy
 from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
 from engine.stats import SpecStats
 from engine.suffix import Proposal, SuffixProposer
+from engine.tree import TREE_TOP_K, TokenTree, Tree, build_tree, outcomes, walk
 
 
 @dataclass
@@ -155,6 +157,11 @@ class DraftBlock:
     confidence: torch.Tensor | None = None
     caught_up: int = 0  # target positions whose features the drafter took in with this pass (the widest row)
     proposers: list[str] | None = None  # per row, what drafted it ("dflash", "suffix"); None: the drafter alone
+    # [batch, b_max - 1, TREE_TOP_K] the likeliest tokens of each drafted position and their probabilities
+    # (0 past a row's drafted block), for token trees; not cut by `trimmed`
+    top_ids: torch.Tensor | None = None
+    top_probs: torch.Tensor | None = None
+    trees: list[Tree | None] | None = None  # per row, the token tree verified instead of a chain (engine/tree.py), or None
 
     def trimmed(self, block_sizes: list[int]) -> "DraftBlock":
         """The same drafts, each row verifying only its first block_sizes[i] <= self.block_sizes[i] positions."""
@@ -163,7 +170,7 @@ class DraftBlock:
         b_max = max(block_sizes)
         return DraftBlock(self.block_ids[:, :b_max], None if self.draft_probs is None else self.draft_probs[:, : b_max - 1],
                           block_sizes, None if self.confidence is None else self.confidence[:, : b_max - 1], self.caught_up,
-                          self.proposers)
+                          self.proposers, self.top_ids, self.top_probs)
 
 
 class Engine:
@@ -184,6 +191,7 @@ class Engine:
         prefill_token_budget: int = PREFILL_TOKEN_BUDGET,
         backlog_call_positions: int | None = BACKLOG_CALL_POSITIONS,
         prefix_cache: bool = False,
+        draft_tree: bool = False,
     ):
         """feature_layers: target layers whose features prefill/verify return; default: the drafter's.
         Give them to an engine without a drafter that serves a drafter in another process.
@@ -192,7 +200,9 @@ class Engine:
         context already says (the policy's `suffix_widths` decides), with or without a drafter.
         prefill_token_budget, backlog_call_positions: see EngineConfig (engine/config.py).
         prefix_cache: a new prompt starts from the cached positions of a running or finished request whose
-        tokens begin it (needs both caches here as KVCaches: not with shards or a drafter elsewhere)."""
+        tokens begin it (needs both caches here as KVCaches: not with shards or a drafter elsewhere).
+        draft_tree: a greedy request verifies a token tree of the drafter's likeliest tokens, as wide as the
+        chain the policy chose, instead of that chain (engine/tree.py; needs the target here, unsharded)."""
         if drafter is not None:
             from engine.drafter import check_drafter_fits
 
@@ -220,6 +230,8 @@ class Engine:
         self.draft_head = DraftHead(target.lm_head, vocab) if drafter is not None else None
         self.prefix_cache = (prefix_cache and isinstance(self.target_cache, KVCache)
                              and (drafter is not None or not self.feature_layers))
+        self.draft_tree = (draft_tree and drafter is not None and denoising_steps == 1
+                           and isinstance(target, TargetModel) and isinstance(self.target_cache, KVCache))
         # target slot -> (tokens, positions cached, drafter slot) of a finished request, until a new
         # request takes either slot
         self._finished_slots: dict[int, tuple[list[int], int, int]] = {}
@@ -371,11 +383,13 @@ class Engine:
             drafted = self.draft(drafting, self.policy.choose(drafting, [caps[i] for i in rows]))
         else:  # every request verifies a suffix draft: no drafter pass at all
             drafted = DraftBlock(torch.zeros(0, 1, dtype=torch.long, device=self.device), None, [])
-        draft = self.with_suffix(running, rows, self.trim(drafting, drafted), proposals, widths)
+        trees = self.trees(drafting, drafted)
+        draft = self.with_suffix(running, rows, self.branch(self.trim(drafting, drafted, trees), trees), proposals, widths)
         num_accepted, next_ids, features = self.verify(running, draft)
         committed = [ids[: a + 1] for ids, a in zip(next_ids, num_accepted)]
         if drafting:
-            self.observe(drafting, drafted, [draft.block_sizes[i] for i in rows], [num_accepted[i] for i in rows])
+            self.observe(drafting, drafted, [draft.block_sizes[i] for i in rows], [num_accepted[i] for i in rows],
+                         trees, [committed[i] for i in rows])
         if len(rows) < len(running):
             self.observe_suffix(running, proposals, widths, num_accepted)
         for i, r in enumerate(running):
@@ -402,9 +416,10 @@ class Engine:
         probabilities: rejection sampling against them keeps its output distribution the target's."""
         if len(rows) == len(requests):
             return draft
-        sizes, ids = [0] * len(requests), [None] * len(requests)
+        sizes, ids, trees = [0] * len(requests), [None] * len(requests), [None] * len(requests)
         for j, i in enumerate(rows):
             sizes[i], ids[i] = draft.block_sizes[j], draft.block_ids[j, : draft.block_sizes[j]].tolist()
+            trees[i] = draft.trees[j] if draft.trees is not None else None
         for i, (r, w) in enumerate(zip(requests, widths)):
             if w:
                 sizes[i], ids[i] = w + 1, [r.last_token] + proposals[i].token_ids[:w]
@@ -419,7 +434,8 @@ class Engine:
             for i, w in enumerate(widths):
                 if w:
                     probs[i, torch.arange(w), block_ids[i, 1: w + 1]] = 1.0
-        return DraftBlock(block_ids, probs, sizes, proposers=["suffix" if w else "dflash" for w in widths])
+        return DraftBlock(block_ids, probs, sizes, proposers=["suffix" if w else "dflash" for w in widths],
+                          trees=trees if any(t is not None for t in trees) else None)
 
     def observe_suffix(self, requests, proposals, widths, num_accepted):
         """Record the verified suffix drafts: stats (proposer "suffix") and the policy's calibration."""
@@ -430,7 +446,7 @@ class Engine:
         self.policy.observe_suffix([requests[i] for i in rows], [proposals[i] for i in rows],
                                    [widths[i] for i in rows], [num_accepted[i] for i in rows])
 
-    def trim(self, requests: list[Request], drafted: DraftBlock) -> DraftBlock:
+    def trim(self, requests: list[Request], drafted: DraftBlock, trees=None) -> DraftBlock:
         """The drafted block cut to what the policy wants verified, from the drafts' confidence.
         Not with sampling after several denoising passes: a redrafted position's distribution then
         depends on the other positions' sampled tokens, and so would the cut."""
@@ -438,17 +454,50 @@ class Engine:
             return drafted
         if self.denoising_steps > 1 and any(r.params.temperature > 0 for r in requests):
             return drafted
-        sizes = self.policy.trim(requests, drafted.block_sizes, drafted.confidence, max(r.num_cached for r in requests))
+        sizes = self.policy.trim(requests, drafted.block_sizes, drafted.confidence, max(r.num_cached for r in requests),
+                                 trees)
         return drafted.trimmed(sizes)
 
-    def observe(self, requests: list[Request], drafted: DraftBlock, verified_sizes: list[int], num_accepted: list[int]):
-        """Record a verified step: the speculative stats (verified drafts only) and, for the policy, what was drafted."""
+    def trees(self, requests: list[Request], drafted: DraftBlock) -> list[Tree | None] | None:
+        """Per greedy row, the token tree of its drafted block's size - 1 nodes most likely accepted
+        (engine/tree.py); None for sampling rows, whose drafts are samples and whose rejection sampling takes
+        one draft per position."""
+        if drafted.top_ids is None or max(drafted.block_sizes) < 3:
+            return None
+        top_ids, top_probs = drafted.top_ids.tolist(), drafted.top_probs.tolist()
+        return [build_tree(top_ids[i], top_probs[i], size - 1) if r.params.temperature == 0 and size >= 3 else None
+                for i, (r, size) in enumerate(zip(requests, drafted.block_sizes))]
+
+    def branch(self, draft: DraftBlock, trees: list[Tree | None] | None) -> DraftBlock:
+        """The trimmed block with each tree row's chain replaced by its tree's first size - 1 nodes, where
+        those are not the chain itself."""
+        if trees is None:
+            return draft
+        block_ids, verified = draft.block_ids.clone(), [None] * len(trees)
+        for i, (tree, size) in enumerate(zip(trees, draft.block_sizes)):
+            tree = None if tree is None else tree.first(size - 1)
+            if tree is not None and len(tree.ids) == size - 1 and not tree.is_chain():
+                block_ids[i, 1:size] = torch.tensor(tree.ids)
+                verified[i] = tree
+        if all(t is None for t in verified):
+            return draft
+        return replace(draft, block_ids=block_ids, trees=verified)
+
+    def observe(self, requests: list[Request], drafted: DraftBlock, verified_sizes: list[int], num_accepted: list[int],
+                trees=None, committed=None):
+        """Record a verified step: the speculative stats (verified drafts only) and, for the policy, what was
+        drafted; of a row with a token tree (trees[i], its verified nodes a prefix), which nodes the target
+        tested and what held."""
         proposer = "dflash" if self.drafter is not None else None
         for i, r in enumerate(requests):
             r.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i], proposer)
             self.stats.observe_draft(verified_sizes[i] - 1, num_accepted[i], proposer)
         if drafted.confidence is not None:
-            self.policy.observe_verified(requests, drafted.block_sizes, verified_sizes, drafted.confidence, num_accepted)
+            tested = None if trees is None else [
+                None if t is None else (t, outcomes(t.first(v - 1), ids))
+                for t, v, ids in zip(trees, verified_sizes, committed)]
+            self.policy.observe_verified(requests, drafted.block_sizes, verified_sizes, drafted.confidence, num_accepted,
+                                         tested)
 
     def block_cap(self, r: Request) -> int:
         """The largest block this request may verify: its own block size and its remaining budget."""
@@ -525,7 +574,12 @@ class Engine:
         for r in requests:
             self.draft_cache.crop(r.draft_slot, r.num_cached)
             r.pending_features = None
-        return DraftBlock(block_ids, probs, block_sizes, confidence, caught_up)
+        top_ids = top_probs = None
+        if self.draft_tree and not all(sampling):
+            top_probs, index = scores.softmax(dim=-1).topk(min(TREE_TOP_K, scores.shape[-1]), dim=-1)
+            drafted = torch.arange(b_max - 1, device=self.device) < torch.tensor(block_sizes, device=self.device)[:, None] - 1
+            top_ids, top_probs = self.draft_head.ids(index), top_probs * drafted[..., None]
+        return DraftBlock(block_ids, probs, block_sizes, confidence, caught_up, top_ids=top_ids, top_probs=top_probs)
 
     def _take_backlogs(self, requests):
         """Let the drafter take in long backlogs of target features (a prompt after its prefill, the steps
@@ -582,12 +636,33 @@ class Engine:
             torch.where(offsets < b, r.num_cached + offsets, -1) for r, b in zip(requests, draft.block_sizes)
         ]).to(self.device)
         kv_len = max(r.num_cached for r in requests) + b_max
+        tree = None if draft.trees is None else TokenTree.of([t and t.parents for t in draft.trees], b_max, self.device)
         logits, features = self.target(
             draft.block_ids, positions, self.target_cache, self._slots(requests, "target_slot"), kv_len, self.feature_layers,
+            tree=tree,
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
         num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft)
-        return num_accepted.tolist(), next_ids.tolist(), features
+        num_accepted, next_ids = num_accepted.tolist(), next_ids.tolist()
+        if tree is not None:
+            self._accept_trees(requests, draft, logits, features, num_accepted, next_ids)
+        return num_accepted, next_ids, features
+
+    def _accept_trees(self, requests, draft: DraftBlock, logits, features, num_accepted, next_ids):
+        """Greedy acceptance of the tree rows, in place: the accepted path's keys and values move to the
+        positions after the root in the target cache, and its features to the first rows of `features`
+        [batch, b_max, n * hidden], so that commit keeps them as it keeps a chain's.
+        logits [batch, b_max, vocab]"""
+        rows = [i for i, t in enumerate(draft.trees) if t is not None]
+        predicted = logits[rows].argmax(dim=-1).tolist()
+        block_ids = draft.block_ids[rows].tolist()
+        for i, pred, ids in zip(rows, predicted, block_ids):
+            path = walk(draft.trees[i].parents, ids, pred)
+            num_accepted[i], next_ids[i] = len(path) - 1, [pred[j] for j in path]
+            if path != list(range(len(path))):
+                self.target_cache.keep(requests[i].target_slot, requests[i].num_cached, path)
+                if features is not None:
+                    features[i, : len(path)] = features[i, path]
 
     # ---- helpers -----------------------------------------------------------------------
 

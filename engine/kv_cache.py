@@ -76,6 +76,15 @@ class KVCache(SlotTable):
             self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self.lengths[dst] = length
 
+    def keep(self, slot, start, offsets):
+        """Move positions start + offsets[k] to start + k (offsets increasing, offsets[k] >= k): a token
+        tree's accepted path becomes the slot's next positions; crop the rest as usual."""
+        src = torch.tensor(offsets, device=self.k.device) + start
+        dst = torch.arange(len(offsets), device=self.k.device) + start
+        for cache in (self.k, self.v):
+            view = cache[:, slot]  # [layers, heads, max_len + 1, dim]
+            view[:, :, dst] = view[:, :, src]
+
     def read(self, layer, read_index, kv_len):
         """Keys and values of positions 0..kv_len-1 of each slot: two [batch, heads, kv_len, dim]."""
         return self.k[layer][read_index, :, :kv_len], self.v[layer][read_index, :, :kv_len]

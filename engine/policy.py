@@ -64,16 +64,20 @@ class BlockPolicy:
         """How many positions each request drafts (its block: last token + drafts), at most its cap."""
         raise NotImplementedError
 
-    def trim(self, requests, block_sizes: list[int], confidence, context: int) -> list[int]:
+    def trim(self, requests, block_sizes: list[int], confidence, context: int, trees=None) -> list[int]:
         """How many of its drafted block's positions each request verifies, given each draft's
         confidence [batch, max(block_sizes) - 1] (the peak of its draft distribution) and the
         longest row's cached positions. Deciding from the drafter's distributions alone, never from a
-        sampled token, keeps sampling lossless. Default: verify everything drafted."""
+        sampled token, keeps sampling lossless. trees: per row an engine.tree.Tree of its block's
+        nodes best first (the row then verifies its first size - 1 nodes instead of a chain), or None.
+        Default: verify everything drafted."""
         return list(block_sizes)
 
     def observe_verified(self, requests, block_sizes: list[int], verified_sizes: list[int], confidence,
-                         num_accepted: list[int]):
-        """What the target accepted of each request's verified drafts (ignored by default)."""
+                         num_accepted: list[int], trees=None):
+        """What the target accepted of each request's verified drafts (ignored by default). trees: per row
+        with a token tree, (the engine.tree.Tree of its drafted block, [(node, held)] for each node the
+        target tested: engine.tree.outcomes), else None."""
 
     def observe_step(self, batch: int, block: int, context: int, seconds: float, verified: float | None = None,
                      caught_up: int = 0):
@@ -390,21 +394,29 @@ class ConfidenceCalibration:
 
     def acceptance(self, confidence: list[float], sampled: bool) -> list[float]:
         """Calibrated acceptance of one row's drafts (draft 1 first), from their confidences."""
-        size, last = 2 * self.num_bins, self.positions - 1
-        return [self._table_at[min(k, last) * size + self.bin(c, sampled)] for k, c in enumerate(confidence)]
+        return [self.acceptance_at(c, k, sampled) for k, c in enumerate(confidence)]
+
+    def acceptance_at(self, confidence: float, k: int, sampled: bool = False) -> float:
+        """Calibrated acceptance of a draft at position k + 1 (a token tree's node at depth k + 1: its
+        probability is its confidence, as the chain's first choice's is)."""
+        return self._table_at[min(k, self.positions - 1) * 2 * self.num_bins + self.bin(confidence, sampled)]
 
     def observe(self, confidence: list[float], sampled: bool, num_verified: int, num_accepted: int):
         """One row: its first num_verified drafts (confidences `confidence[:num_verified]`) were
         verified and the first num_accepted of them held."""
-        size, w = 2 * self.num_bins, self.prior_weight
         for k in range(min(num_accepted + 1, num_verified)):
-            b = self.bin(confidence[k], sampled)
-            g = min(k, self.positions - 1) * size + b
-            self._count(self.reached, self.accepted, b, k < num_accepted)
-            self._count(self.reached_at, self.accepted_at, g, k < num_accepted)
-            self._table[b] = (self.accepted[b] + w * self.centers[b]) / (self.reached[b] + w)
-            for i in range(b, len(self._table_at), size):  # every position group of this bin: its prior moved
-                self._table_at[i] = (self.accepted_at[i] + w * self._table[b]) / (self.reached_at[i] + w)
+            self.observe_one(confidence[k], k, sampled, k < num_accepted)
+
+    def observe_one(self, confidence: float, k: int, sampled: bool, held: bool):
+        """One verified draft at position k + 1 (or a tree node at depth k + 1) that was reached."""
+        size, w = 2 * self.num_bins, self.prior_weight
+        b = self.bin(confidence, sampled)
+        g = min(k, self.positions - 1) * size + b
+        self._count(self.reached, self.accepted, b, held)
+        self._count(self.reached_at, self.accepted_at, g, held)
+        self._table[b] = (self.accepted[b] + w * self.centers[b]) / (self.reached[b] + w)
+        for i in range(b, len(self._table_at), size):  # every position group of this bin: its prior moved
+            self._table_at[i] = (self.accepted_at[i] + w * self._table[b]) / (self.reached_at[i] + w)
 
     def _count(self, reached, accepted, i, held):
         reached[i] += 1
@@ -707,12 +719,15 @@ class AdaptiveBlockPolicy(BlockPolicy):
                 best, best_rate = widths, tokens / seconds
         return best
 
-    def trim(self, requests, block_sizes, confidence, context):
+    def trim(self, requests, block_sizes, confidence, context, trees=None):
         batch, block = len(requests), max(block_sizes)
         if not self.trims or block == 1:
             return list(block_sizes)
         candidates = []  # (P(drafts 1..k+1 of row i all hold), k, i): a row's appear in order, so any top-m is a prefix of it
         for i, (r, row) in enumerate(zip(requests, confidence[:, : block - 1].tolist())):
+            if trees is not None and trees[i] is not None:
+                candidates += [(reach, k, i) for k, reach in enumerate(self.tree_reach(trees[i]))]
+                continue
             reach = 1.0
             for k, a in enumerate(self.calibration.acceptance(row[: block_sizes[i] - 1], r.params.temperature > 0)):
                 reach *= a
@@ -741,17 +756,34 @@ class AdaptiveBlockPolicy(BlockPolicy):
             sizes[i] += 1
         return sizes
 
-    def observe_verified(self, requests, block_sizes, verified_sizes, confidence, num_accepted):
+    def tree_reach(self, tree) -> list[float]:
+        """P(a tree's node is accepted) for each node (best first), from its path's calibrated acceptance;
+        never rising along the order, so that the trim's top-m is a prefix of the tree's nodes."""
+        reach, out = [], []
+        for prob, parent, depth in zip(tree.probs, tree.parents, tree.depths):
+            reach.append((reach[parent - 1] if parent else 1.0) * self.calibration.acceptance_at(prob, depth - 1))
+            out.append(min(reach[-1], out[-1]) if out else reach[-1])
+        return out
+
+    def observe_verified(self, requests, block_sizes, verified_sizes, confidence, num_accepted, trees=None):
         block = max(block_sizes)
         if block == 1:
             return
-        for r, b, v, a, row in zip(requests, block_sizes, verified_sizes, num_accepted,
-                                   confidence[:, : block - 1].tolist()):
-            sampled = r.params.temperature > 0
-            self.calibration.observe(row, sampled, v - 1, a)
-            tracked = self._track(r)
+        for i, (r, b, v, a, row) in enumerate(zip(requests, block_sizes, verified_sizes, num_accepted,
+                                                  confidence[:, : block - 1].tolist())):
+            sampled, tracked = r.params.temperature > 0, self._track(r)
             if tracked.expected is None:
                 tracked.expected = ExpectedAcceptance()
+            if trees is not None and trees[i] is not None:
+                # a tree's "positions" are its nodes best first: node k's reach over node k - 1's, so that
+                # choose's expected tokens for block b are 1 + the reach of the tree's first b - 1 nodes
+                tree, tested = trees[i]
+                for j, held in tested:
+                    self.calibration.observe_one(tree.probs[j], tree.depths[j] - 1, sampled, held)
+                reach = self.tree_reach(tree)
+                tracked.expected.add([1.0] + reach[:-1], reach)
+                continue
+            self.calibration.observe(row, sampled, v - 1, a)
             tracked.expected.add(*drafted_outcome(self.calibration.acceptance(row[: b - 1], sampled), v - 1, a))
 
     def step_cost(self, batch: int, block: int, context: int | None) -> float:
