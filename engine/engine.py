@@ -639,7 +639,7 @@ class Engine:
         tree = None if draft.trees is None else TokenTree.of([t and t.parents for t in draft.trees], b_max, self.device)
         logits, features = self.target(
             draft.block_ids, positions, self.target_cache, self._slots(requests, "target_slot"), kv_len, self.feature_layers,
-            tree=tree,
+            **({} if tree is None else {"tree": tree}),  # only a TargetModel takes trees (Engine.draft_tree)
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
         num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft)

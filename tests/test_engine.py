@@ -139,7 +139,7 @@ class ConfidenceCut(FixedBlockPolicy):
     """Verifies a row's drafts while their confidence stays above 0.4: a trim decided from the draft
     distributions alone, as AdaptiveBlockPolicy.trim's is, with a rule whose effect is easy to see."""
 
-    def trim(self, requests, block_sizes, confidence, context):
+    def trim(self, requests, block_sizes, confidence, context, trees=None):  # sampled rows: never trees
         keep = (confidence > 0.4).long().cumprod(dim=1).sum(dim=1)
         return [min(b, 1 + int(k)) for b, k in zip(block_sizes, keep)]
 
@@ -148,7 +148,7 @@ class TokenPeekingEngine(Engine):
     """A wrong trim, for the test to catch: it cuts each block before its first drafted token >= 3,
     a decision that depends on the sampled tokens (the proposal is then no longer q)."""
 
-    def trim(self, requests, drafted):
+    def trim(self, requests, drafted, trees=None):
         drafts = drafted.block_ids[:, 1:]
         keep = (drafts < 3).long().cumprod(dim=1).sum(dim=1)
         return drafted.trimmed([min(b, 1 + int(k)) for b, k in zip(drafted.block_sizes, keep)])

@@ -345,7 +345,7 @@ def test_prompt_sources_and_held_out_split(tmp_path):
 def test_shipped_drafter_is_the_default_and_zlab_agrees(tmp_path):
     """The committed drafter is the default one: bf16 safetensors in z-lab format within 50 MB; it
     accepts drafts on held-out prompts; z-lab's DFlashDraftModel loads it and (float32, full head)
-    gives the same greedy output and acceptance lengths, step by step, as our engine."""
+    gives the same greedy output and acceptance lengths, step by step, as our engine verifying chains."""
     from engine.loading import DEFAULT_DRAFTER, load
 
     files = sorted(p.name for p in DEFAULT_DRAFTER.iterdir())
@@ -355,7 +355,7 @@ def test_shipped_drafter_is_the_default_and_zlab_agrees(tmp_path):
     assert load(draft="default", dtype="float32").drafter_name == str(DEFAULT_DRAFTER)
     out = tmp_path / "zlab.json"
     r = run_cli("bench", "--prompts", str(ROOT / "docs/train/held-out-code.jsonl"), "--num-prompts", "2",
-                "--max-new-tokens", "32", "--dtype", "float32", "--methods", "dflash,zlab", "--full-draft-head",
+                "--max-new-tokens", "32", "--dtype", "float32", "--methods", "dflash,zlab", "--full-draft-head", "--no-draft-tree",
                 "--json", str(out))
     assert r.returncode == 0, r.stderr
     methods = json.loads(out.read_text())["methods"]
