@@ -6,6 +6,7 @@ Tiny random models, float32; one check on the default model and the shipped draf
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from engine.engine import Engine, SamplingParams
 from engine.policy import AdaptiveBlockPolicy, CostModel
 from engine.tree import Tree, TokenTree, build_tree, outcomes, walk
-from tests.test_engine import TINY, AlternateSources, greedy_outputs, random_prompts, repetitive_prompts, tiny_models
+from test_engine import TINY, AlternateSources, greedy_outputs, random_prompts, repetitive_prompts, tiny_models
 
 
 def random_top(depth, k, seed):
@@ -178,7 +179,8 @@ def test_trees_are_accepted_further_than_chains_with_the_shipped_drafter():
 
     config = EngineConfig(dtype="bfloat16", policy="fixed", block_size=8, proposers="dflash", max_slots=4)
     loaded = load_models(config)
-    prompts = [p.token_ids(loaded.tokenizer) for p in read_prompts("docs/train/held-out-chat.jsonl")[:4]]
+    held_out = Path(__file__).resolve().parent.parent / "docs/train/held-out-chat.jsonl"
+    prompts = [p.token_ids(loaded.tokenizer) for p in read_prompts(str(held_out))[:4]]
     mal = {}
     for tree in (False, True):
         engine = build_engine(replace(config, draft_tree=tree), loaded)
