@@ -134,9 +134,12 @@ class ShardedTarget:
         weakref.finalize(table, _drop_cache, list(self.shards), table.cache_id).atexit = False
         return table
 
-    def __call__(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
+    def __call__(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None):
         """TargetModel.forward through the shards: logits [batch, k or q, vocab] (float32) and features
-        [batch, q, n * hidden] (or None), on this object's device."""
+        [batch, q, n * hidden] (or None), on this object's device. No token trees (`tree` must be None):
+        the accepted path would have to move in every shard's cache."""
+        if tree is not None:
+            raise ValueError("a sharded target verifies chains only, not token trees")
         slots, feature_layers = [int(s) for s in slots], tuple(feature_layers)
         x, feature_refs = input_ids, []
         for shard in self.shards:

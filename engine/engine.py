@@ -639,7 +639,7 @@ class Engine:
         tree = None if draft.trees is None else TokenTree.of([t and t.parents for t in draft.trees], b_max, self.device)
         logits, features = self.target(
             draft.block_ids, positions, self.target_cache, self._slots(requests, "target_slot"), kv_len, self.feature_layers,
-            **({} if tree is None else {"tree": tree}),  # only a TargetModel takes trees (Engine.draft_tree)
+            tree=tree,
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
         num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft)
@@ -654,7 +654,7 @@ class Engine:
         [batch, b_max, n * hidden], so that commit keeps them as it keeps a chain's.
         logits [batch, b_max, vocab]"""
         rows = [i for i, t in enumerate(draft.trees) if t is not None]
-        predicted = logits[rows].argmax(dim=-1).tolist()
+        predicted = logits.argmax(dim=-1)[rows].tolist()  # no copy of the rows' logits
         block_ids = draft.block_ids[rows].tolist()
         for i, pred, ids in zip(rows, predicted, block_ids):
             path = walk(draft.trees[i].parents, ids, pred)

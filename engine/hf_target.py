@@ -99,7 +99,7 @@ class HFTarget(nn.Module):
     def new_cache(self, num_slots, max_len) -> HFCache:
         return HFCache(self.model.config, num_slots, max_len)
 
-    def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None):
+    def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None):
         """TargetModel.forward for a single request; anything past positions[0, 0] in its slot is dropped.
 
         input_ids    [1, q] long
@@ -109,8 +109,11 @@ class HFTarget(nn.Module):
         feature_layers: layer ids k whose hidden_states[k + 1] are returned, concatenated on features
                         (for the last layer transformers gives the final-normed state)
         logits_index [1, k] long or None: which of the q positions need logits
+        tree         must be None: token trees need the engine's own model (Engine.draft_tree)
         returns logits [1, k or q, vocab] (float32), features [1, q, n * hidden] or None
         """
+        if tree is not None:
+            raise ValueError("HFTarget verifies chains only, not token trees")
         if input_ids.shape[0] != 1:
             raise ValueError(f"HFTarget runs one request per call, got a batch of {input_ids.shape[0]}")
         start = int(positions[0, 0])

@@ -59,17 +59,11 @@ def build_tree(top_ids: list[list[int]], top_probs: list[list[float]], num_nodes
     return tree
 
 
-def outcomes(tree: Tree, committed: list[int]) -> list[tuple[int, bool]]:
-    """(node, held) for every node greedy verification tested: the children of each accepted node (and of
-    the root), given the tokens the step committed (the accepted path's tokens, then the target's own)."""
-    out, node = [], 0
-    for token in committed:
-        children = [j for j, p in enumerate(tree.parents) if p == node]
-        held = next((j for j in children if tree.ids[j] == token), None)
-        out += [(j, j == held) for j in children]
-        if held is None:
-            return out
-        node = held + 1
+def children(parents: list[int]) -> dict[int, list[int]]:
+    """Block index -> its children's block indices (parents[j] is node j + 1's parent)."""
+    out: dict[int, list[int]] = {}
+    for j, p in enumerate(parents):
+        out.setdefault(p, []).append(j + 1)
     return out
 
 
@@ -79,15 +73,26 @@ def walk(parents: list[int], block_ids: list[int], predicted: list[int]) -> list
 
     parents [n] of block indices 1..n; block_ids [>= n + 1]; predicted [>= n + 1] the target's argmax at each index.
     """
-    children: dict[int, list[int]] = {}
-    for j, p in enumerate(parents):
-        children.setdefault(p, []).append(j + 1)
-    path = [0]
+    below, path = children(parents), [0]
     while True:
-        nxt = [c for c in children.get(path[-1], ()) if block_ids[c] == predicted[path[-1]]]
+        nxt = [c for c in below.get(path[-1], ()) if block_ids[c] == predicted[path[-1]]]
         if not nxt:
             return path
         path.append(nxt[0])  # siblings hold distinct tokens: at most one matches
+
+
+def outcomes(tree: Tree, committed: list[int]) -> list[tuple[int, bool]]:
+    """(node, held) for every node greedy verification tested: the children of each accepted node (and of
+    the root), given the tokens the step committed (the accepted path's tokens, then the target's own)."""
+    below, out, index = children(tree.parents), [], 0
+    for token in committed:
+        tested = [c - 1 for c in below.get(index, ())]
+        held = next((j for j in tested if tree.ids[j] == token), None)
+        out += [(j, j == held) for j in tested]
+        if held is None:
+            return out
+        index = held + 1
+    return out
 
 
 @dataclass
