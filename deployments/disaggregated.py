@@ -39,7 +39,8 @@ from engine.suffix import Proposal
 
 logger = logging.getLogger("ray.serve")
 
-BATCH_WAIT_S = 0.002  # how long a replica waits for other requests' steps to join a batch
+BATCH_WAIT_S = 0.002  # how long a replica waits for other requests' steps to join a batch, at least
+BATCH_WAIT_SHARE = 1.5  # and at most this share of its mean batch time, while requests with state here are missing
 NUM_FREED_REMEMBERED = 4096  # freed request ids a replica remembers, so a late prefill cannot revive one
 MAX_REBUILDS_PER_STEP = 3  # rebuilds of state that live replicas lost, per step
 REPLICA_RECOVERY_S = 60  # how long a request waits for a healthy replica after one died under a call
@@ -49,6 +50,73 @@ HEALTH_CHECK_PERIOD_S = 2
 
 
 # ---- what both replicas share ---------------------------------------------------------------
+
+
+class Batcher:
+    """Gathers concurrent calls into batches for one function of lists, at most `max_size` calls each.
+
+    A call that finds the function idle waits for the others `expected()` says are coming (the requests that
+    have state here: each loops between drafter and verifier), for at most `wait_share` of a batch's mean
+    time (and at least `wait_s`); calls that arrive while a batch runs make the next one. Waiting keeps the
+    requests in step: unbatched, they drift into groups that each pay a whole pass. (Serve's @serve.batch
+    splits a batch by multiplexed model id, and here every request is a model id of its own: it never
+    batched two requests.) Counts its batches, their calls and their time."""
+
+    def __init__(self, fn, max_size: int, wait_s: float, expected=lambda: 0, wait_share: float = BATCH_WAIT_SHARE):
+        self.fn, self.max_size, self.wait_s, self.expected, self.wait_share = fn, max_size, wait_s, expected, wait_share
+        self._queue: list[tuple[tuple, asyncio.Future]] = []
+        self._running: asyncio.Task | None = None
+        self._arrived = asyncio.Event()
+        self.num_batches, self.num_calls, self.seconds = 0, 0, 0.0
+
+    async def __call__(self, *args):
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((args, future))
+        self._arrived.set()
+        if self._running is None or self._running.done():
+            self._running = asyncio.create_task(self._run())
+        return await future
+
+    async def _gather(self):
+        """Until the expected calls are queued (or max_size), or the wait is up: at least wait_s, unless
+        they are all there."""
+        mean = self.seconds / self.num_batches if self.num_batches else 0.0
+        start = time.monotonic()
+        deadline = start + max(self.wait_s, self.wait_share * mean)
+        while len(self._queue) < self.max_size:
+            now = time.monotonic()
+            if now >= deadline or (now >= start + self.wait_s and len(self._queue) >= self.expected()):
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), (start + self.wait_s if now < start + self.wait_s else deadline) - now)
+            except TimeoutError:
+                pass
+
+    async def _run(self):
+        while self._queue:
+            await self._gather()
+            batch, self._queue = self._queue[: self.max_size], self._queue[self.max_size :]
+            batch = [(args, future) for args, future in batch if not future.done()]  # a cancelled caller's call is dropped
+            if not batch:
+                continue
+            start = time.perf_counter()
+            try:
+                results = await self.fn(*map(list, zip(*(args for args, _ in batch))))
+            except Exception as e:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(e)
+            else:
+                for (_, future), result in zip(batch, results):
+                    if not future.done():
+                        future.set_result(result)
+            self.num_batches, self.num_calls = self.num_batches + 1, self.num_calls + len(batch)
+            self.seconds += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        return {"num_batches": self.num_batches, "num_batched_calls": self.num_calls,
+                "mean_batch_ms": round(1e3 * self.seconds / max(self.num_batches, 1), 2)}
 
 
 class _Held:
@@ -88,6 +156,13 @@ class _MirrorReplica:
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _batcher(self, fn, wait_for_all: bool) -> Batcher:
+        """Batches of concurrent calls of fn (a function of lists, run on the engine thread); wait_for_all:
+        a batch waits for every request with state here (one side only: both waiting, each would wait for
+        the requests the other holds)."""
+        return Batcher(lambda *lists: self._on_engine(fn, *lists), self.num_slots, BATCH_WAIT_S,
+                       expected=(lambda: len(self._held)) if wait_for_all else (lambda: 0))
 
     def _free_evicted(self):
         """On the engine thread: free the state of entries Serve evicted."""
@@ -165,7 +240,7 @@ class _MirrorReplica:
         return self._info
 
     async def stats(self) -> dict:
-        return {**self.counters, **await self.slots()}
+        return {**self.counters, **self._batches.stats(), **await self.slots()}
 
     async def check_health(self):
         """Serve's health hook: unhealthy (replaced, shards and placement group anew) when a target shard is gone."""
@@ -226,8 +301,7 @@ class VerifierReplica(_MirrorReplica):
 
     def __init__(self, config: dict):
         self._start(config, "verifier", build_verifier)
-        self._verify_batch.set_max_batch_size(self.num_slots)
-        self._verify_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
+        self._batches = self._batcher(self._verify, wait_for_all=True)  # the dearer pass: make it count
 
     async def prefill(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
                       params: RequestParams | SamplingParams, verify_rng: torch.Tensor | None) -> Prefilled | Lost:
@@ -270,11 +344,7 @@ class VerifierReplica(_MirrorReplica):
         """Verify one block [last token, drafts...] (draft_probs [b - 1, vocab] for sampling requests) that
         `proposer` drafted (for the metrics)."""
         held = await self._hold(request_id)
-        return await self._verify_batch(held, block_ids, draft_probs, proposer)
-
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
-    async def _verify_batch(self, helds: list, blocks: list, probs: list, proposers: list) -> list[Verified | Lost]:
-        return await self._on_engine(self._verify, helds, blocks, probs, proposers)
+        return await self._batches(held, block_ids, draft_probs, proposer)
 
     @torch.inference_mode()
     def _verify(self, helds, blocks, probs, proposers) -> list[Verified | Lost]:
@@ -328,8 +398,7 @@ class DrafterReplica(_MirrorReplica):
 
     def __init__(self, config: dict):
         self._start(config, "drafter", build_drafter)
-        self._draft_batch.set_max_batch_size(self.num_slots)
-        self._draft_batch.set_batch_wait_timeout_s(BATCH_WAIT_S)
+        self._batches = self._batcher(self._draft, wait_for_all=False)
 
     async def draft(self, request_id: str, new_token_ids: list[int], features: torch.Tensor,
                     start: DraftStart | None = None) -> Drafted | Lost:
@@ -337,15 +406,11 @@ class DrafterReplica(_MirrorReplica):
         the next block. `start` (re)creates the state; new_token_ids then are all of the output and
         features cover every position from 0."""
         held = await self._hold(request_id)
-        return await self._draft_batch(held, new_token_ids, features, start)
+        return await self._batches(held, new_token_ids, features, start)
 
     async def stats(self) -> dict:
         """Also the blocks this replica drafted and how many of their drafts the verifier accepted."""
         return {**await super().stats(), "spec_decoding": await self._on_engine(self.engine.stats.to_dict)}
-
-    @serve.batch(max_batch_size=8, batch_wait_timeout_s=BATCH_WAIT_S)
-    async def _draft_batch(self, helds: list, new_ids: list, features: list, starts: list) -> list[Drafted | Lost]:
-        return await self._on_engine(self._draft, helds, new_ids, features, starts)
 
     @torch.inference_mode()
     def _draft(self, helds, new_ids, features, starts) -> list[Drafted | Lost]:
