@@ -90,9 +90,9 @@ def completion(client, prompt, stream=False, **kw) -> str:
     return "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
 
 
-def chat_text(client, prompt, stream=False, max_tokens=MAX_TOKENS, **kw) -> str:
+def chat_text(client, prompt, stream=False, **kw) -> str:
     out = client.chat.completions.create(model=CONFIG.model_name, messages=[{"role": "user", "content": prompt}],
-                                         max_tokens=max_tokens, stream=stream, **kw)
+                                         max_tokens=MAX_TOKENS, stream=stream, **kw)
     if stream:
         return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
     return out.choices[0].message.content
@@ -162,16 +162,18 @@ def test_router_stream_closed_mid_way_frees_both_replicas(reference, handles):
 
 @pytest.mark.slow
 def test_concurrent_requests_share_verify_batches(client, reference, handles):
-    """Two requests at once: the verifier runs their steps together (a batch waits for every request with
-    state there) and each output is still the engine's."""
+    """Two requests at once, both running their 24 tokens: the verifier runs their steps together (a batch
+    waits for every request with state there) and each output is still the engine's."""
     from concurrent.futures import ThreadPoolExecutor
 
-    prompts = [CHAT_PROMPT, "Name three rivers in Europe."]
+    prompts, max_tokens = ["The history of the Roman Empire", "A list of prime numbers: 2, 3, 5,"], 24
     before = handles["VerifierReplica"].stats.remote().result()
     with ThreadPoolExecutor(len(prompts)) as pool:
-        texts = list(pool.map(lambda p: chat_text(client, p, max_tokens=24, temperature=0), prompts))
+        outs = list(pool.map(lambda p: client.completions.create(
+            model=CONFIG.model_name, prompt=p, max_tokens=max_tokens, temperature=0), prompts))
     after = handles["VerifierReplica"].stats.remote().result()
-    assert texts == [reference.text(reference.chat_ids(p), max_tokens=24) for p in prompts]
+    assert [o.choices[0].text for o in outs] == [reference.text(reference.text_ids(p), max_tokens) for p in prompts]
+    assert all(o.usage.completion_tokens == max_tokens for o in outs)  # neither stopped early: steps to share
     calls, batches = (after[k] - before[k] for k in ("num_batched_calls", "num_batches"))
     assert calls / batches > 1.5, (calls, batches)
     wait_for_no_state(handles)
