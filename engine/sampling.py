@@ -4,7 +4,7 @@ arXiv 2211.17192). Pure batched tensor functions; knows nothing about models or 
 
 Shapes: B = batch rows, n = positions, K = drafts per row (block - 1), V = vocab.
 Randomness comes only from the per-row generators passed in (None -> global RNG). A row's draws
-depend only on its own generator and the padded shapes (K, V), so a seeded request is reproducible
+depend only on its own generator and the padded width K, so a seeded request is reproducible
 whatever shares its batch, as long as the block padding width is fixed (e.g. the model block size).
 Generators must live on the device of the tensors.
 """
@@ -107,12 +107,15 @@ def uniform_rows(shape, generators: Generators = None, device=None) -> torch.Ten
 def sample(probs, generators: Generators = None) -> torch.Tensor:
     """Sample ids [B, n] (long) from probs [B, n, V] ([B, V] -> [B]).
 
-    Exponential race (as gpt-fast): argmax_i p_i / E_i with E_i ~ Exp(1) iid picks i with
-    probability p_i; each row's noise is drawn from its own generator. Zero-probability ids are
-    never picked.
+    Inverse CDF: one U[0, 1) draw per sampled position, from its row's generator, placed on the running
+    sum of the probabilities (searchsorted): id i is picked with probability p_i, a zero-probability id
+    never (its interval is empty). One draw per position, not one per vocabulary entry as an exponential
+    race takes: on a CPU those cost ~1 ms per row of 49,152 ids (docs/design.md).
     """
-    noise = _rows(torch.Tensor.exponential_, probs.shape, generators, probs.device)
-    return (probs / noise.clamp_min(_TINY)).argmax(-1)
+    cdf = probs.float().cumsum(-1)
+    u = _rows(torch.Tensor.uniform_, (*probs.shape[:-1], 1), generators, probs.device)
+    ids = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return ids.squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
 def _accepted_prefix(ok, num_draft):
