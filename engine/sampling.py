@@ -76,16 +76,27 @@ def _nucleus(descending, top_p):
 
 
 def _top_p_keep(probs, top_p):
-    """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1)."""
+    """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1).
+
+    A nucleus that ends where the candidates drop below its smallest probability is its first `count`
+    candidates, scattered into the mask; only a row with a tie at its cut (which ids are kept then
+    depends on their order) or a nucleus wider than the candidates is compared over the vocabulary."""
     vocab = probs.shape[-1]
     flat = probs.reshape(-1, vocab)
     top_p = top_p.expand(*probs.shape[:-1], 1).reshape(-1, 1)
-    largest = flat.topk(min(TOP_P_CANDIDATES, vocab), dim=-1).values  # descending
+    width = min(TOP_P_CANDIDATES, vocab)
+    largest, index = flat.topk(width, dim=-1)  # descending
     count, cut = _nucleus(largest, top_p)
+    ends_clean = (count < width) & (largest.gather(-1, count.clamp(max=width - 1)) < cut)
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(
+        -1, index, torch.arange(width, device=flat.device) < count)
     wide = ((largest.cumsum(-1)[:, -1] < top_p[:, 0]) & (top_p[:, 0] < 1)).nonzero()[:, 0]  # nuclei past the candidates
     if len(wide):
         count[wide], cut[wide] = _nucleus(flat[wide].sort(dim=-1, descending=True).values, top_p[wide])
-    return (_keep_first(flat, cut, count) | (top_p >= 1)).view(probs.shape)
+    rest = (~ends_clean[:, 0] & (top_p[:, 0] < 1)).nonzero()[:, 0]
+    if len(rest):
+        keep[rest] = _keep_first(flat[rest], cut[rest], count[rest])
+    return (keep | (top_p >= 1)).view(probs.shape)
 
 
 def _rows(fill: Callable, shape, generators: Generators, device) -> torch.Tensor:
