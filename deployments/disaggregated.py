@@ -78,20 +78,17 @@ class Batcher:
         return await future
 
     async def _gather(self):
-        """Until the expected calls are queued (or max_size), or the wait is up: at least wait_s, unless
-        they are all there."""
+        """Until max_size calls are queued, or the expected ones are and wait_s has passed, or the wait is up."""
         mean = self.seconds / self.num_batches if self.num_batches else 0.0
         start = time.monotonic()
-        deadline = start + max(self.wait_s, self.wait_share * mean)
+        least, most = start + self.wait_s, start + max(self.wait_s, self.wait_share * mean)
         while len(self._queue) < self.max_size:
             now = time.monotonic()
-            if now >= deadline or (now >= start + self.wait_s and len(self._queue) >= self.expected()):
+            if now >= most or (now >= least and len(self._queue) >= self.expected()):
                 return
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), (start + self.wait_s if now < start + self.wait_s else deadline) - now)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), (least if now < least else most) - now)
 
     async def _run(self):
         while self._queue:
