@@ -72,6 +72,65 @@ def reference():
     return Reference()
 
 
+def batching(max_size=4, wait_s=0.05, expected=lambda: 0, fail=False, seconds=0.0):
+    """A Batcher over a function that takes `seconds` and records each batch it gets (its argument's list)."""
+    import asyncio
+
+    from deployments.disaggregated import Batcher
+
+    batches = []
+
+    async def fn(xs):
+        batches.append(list(xs))
+        await asyncio.sleep(seconds)
+        if fail:
+            raise ValueError("the engine failed")
+        return [2 * x for x in xs]
+
+    return Batcher(fn, max_size, wait_s, expected=expected), batches
+
+
+def test_batcher_batches_concurrent_calls_and_waits_for_the_expected_ones():
+    """Without Ray: calls made together run as one batch (at most max_size), each caller getting its own
+    result; a call waits past wait_s for the calls `expected` says are coming (up to 1.5x a mean batch)."""
+    import asyncio
+
+    async def late_pair(expected):
+        batcher, batches = batching(wait_s=0.002, expected=expected, seconds=0.1)
+        await batcher(0)  # a mean batch of 100 ms: a call may wait up to 150 ms
+        first = asyncio.create_task(batcher(1))
+        await asyncio.sleep(0.05)
+        assert await asyncio.gather(first, batcher(2)) == [2, 4]
+        return batches[1:]
+
+    async def main():
+        batcher, batches = batching()
+        assert await asyncio.gather(*(batcher(x) for x in range(6))) == [0, 2, 4, 6, 8, 10]
+        assert batches == [[0, 1, 2, 3], [4, 5]]
+        assert await late_pair(expected=lambda: 2) == [[1, 2]]
+        assert await late_pair(expected=lambda: 0) == [[1], [2]]
+
+    asyncio.run(main())
+
+
+def test_batcher_passes_errors_on_and_drops_cancelled_calls():
+    """The function's error reaches every caller of its batch; a caller that gave up is not in the next."""
+    import asyncio
+
+    async def main():
+        batcher, _ = batching(fail=True)
+        results = await asyncio.gather(batcher(1), batcher(2), return_exceptions=True)
+        assert all(isinstance(r, ValueError) for r in results)
+        batcher, batches = batching()
+        gone = asyncio.create_task(batcher(1))
+        await asyncio.sleep(0)
+        gone.cancel()
+        assert await batcher(2) == 4
+        assert batches == [[2]]
+
+    asyncio.run(main())
+
+
 def used(handles) -> tuple[int, int]:
     """KV slots in use in (the drafter replica, the verifier replica)."""
     return tuple(handles[name].slots.remote().result()["used"] for name in ("DrafterReplica", "VerifierReplica"))
