@@ -60,12 +60,30 @@ def _keep_first(x, cut, count):
     return above | (tied & (tied.cumsum(-1) <= count - above.sum(-1, keepdim=True)))
 
 
+def _keep_top(flat, largest, index, count, cut, cutting):
+    """Mask [rows, V] of each cutting row's `count` largest entries of flat (ties at `cut`, its count-th
+    largest, lowest ids first), given its top candidates `largest`, `index` [rows, width] in descending
+    order. A row whose candidates drop strictly below its cut right after the count-th keeps its first
+    `count` candidates, scattered into the mask; only a row with a tie across its cut or a count past its
+    candidates is compared and counted over the vocabulary."""
+    width = largest.shape[-1]
+    clean = (count < width) & (largest.gather(-1, count.clamp(max=width - 1)) < cut)
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, index, torch.arange(width, device=flat.device) < count)
+    rest = (~clean[:, 0] & cutting).nonzero()[:, 0]
+    if len(rest):
+        keep[rest] = _keep_first(flat[rest], cut[rest], count[rest])
+    return keep
+
+
 def _top_k_keep(scores, top_k, k_max):
     """scores with all but each row's top_k largest set to -inf (top_k <= 0: all kept)."""
-    largest = scores.topk(k_max, dim=-1).values                       # [..., k_max], descending
-    k = top_k.clamp(1, k_max).expand(*scores.shape[:-1], 1)
-    keep = _keep_first(scores, largest.gather(-1, k - 1), k) | (top_k <= 0)
-    return scores.masked_fill(~keep, float("-inf"))
+    vocab = scores.shape[-1]
+    flat = scores.reshape(-1, vocab)
+    top_k = top_k.expand(*scores.shape[:-1], 1).reshape(-1, 1)
+    largest, index = flat.topk(min(k_max + 1, vocab), dim=-1)  # one past the widest cut: is it a tie?
+    k = top_k.clamp(1, k_max)
+    keep = _keep_top(flat, largest, index, k, largest.gather(-1, k - 1), top_k[:, 0] > 0) | (top_k <= 0)
+    return scores.masked_fill(~keep.view(scores.shape), float("-inf"))
 
 
 def _nucleus(descending, top_p):
@@ -76,27 +94,17 @@ def _nucleus(descending, top_p):
 
 
 def _top_p_keep(probs, top_p):
-    """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1).
-
-    A nucleus that ends where the candidates drop below its smallest probability is its first `count`
-    candidates, scattered into the mask; only a row with a tie at its cut (which ids are kept then
-    depends on their order) or a nucleus wider than the candidates is compared over the vocabulary."""
+    """Mask of each row's nucleus: the smallest most-probable set with mass >= top_p (all if >= 1), found
+    among its TOP_P_CANDIDATES most probable tokens, or over its sorted vocabulary where it is wider."""
     vocab = probs.shape[-1]
     flat = probs.reshape(-1, vocab)
     top_p = top_p.expand(*probs.shape[:-1], 1).reshape(-1, 1)
-    width = min(TOP_P_CANDIDATES, vocab)
-    largest, index = flat.topk(width, dim=-1)  # descending
+    largest, index = flat.topk(min(TOP_P_CANDIDATES, vocab), dim=-1)  # descending
     count, cut = _nucleus(largest, top_p)
-    ends_clean = (count < width) & (largest.gather(-1, count.clamp(max=width - 1)) < cut)
-    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(
-        -1, index, torch.arange(width, device=flat.device) < count)
     wide = ((largest.cumsum(-1)[:, -1] < top_p[:, 0]) & (top_p[:, 0] < 1)).nonzero()[:, 0]  # nuclei past the candidates
     if len(wide):
         count[wide], cut[wide] = _nucleus(flat[wide].sort(dim=-1, descending=True).values, top_p[wide])
-    rest = (~ends_clean[:, 0] & (top_p[:, 0] < 1)).nonzero()[:, 0]
-    if len(rest):
-        keep[rest] = _keep_first(flat[rest], cut[rest], count[rest])
-    return (keep | (top_p >= 1)).view(probs.shape)
+    return (_keep_top(flat, largest, index, count, cut, top_p[:, 0] < 1) | (top_p >= 1)).view(probs.shape)
 
 
 def _rows(fill: Callable, shape, generators: Generators, device) -> torch.Tensor:
