@@ -4,7 +4,9 @@ that leaves and every finished request free their state in BOTH replicas, and a 
 a replica loses mid-way is rebuilt by re-prefill from the router's committed tokens, output unchanged.
 """
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -14,6 +16,7 @@ from ray import serve
 from conftest import deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
+from deployments.disaggregated import Batcher
 from deployments.records import RequestParams
 
 APP_NAME = "dflash-disagg-test"
@@ -74,10 +77,6 @@ def reference():
 
 def batching(max_size=4, wait_s=0.05, expected=lambda: 0, fail=False, seconds=0.0):
     """A Batcher over a function that takes `seconds` and records each batch it gets (its argument's list)."""
-    import asyncio
-
-    from deployments.disaggregated import Batcher
-
     batches = []
 
     async def fn(xs):
@@ -93,8 +92,6 @@ def batching(max_size=4, wait_s=0.05, expected=lambda: 0, fail=False, seconds=0.
 def test_batcher_batches_concurrent_calls_and_waits_for_the_expected_ones():
     """Without Ray: calls made together run as one batch (at most max_size), each caller getting its own
     result; a call waits past wait_s for the calls `expected` says are coming (up to 1.5x a mean batch)."""
-    import asyncio
-
     async def late_pair(expected):
         batcher, batches = batching(wait_s=0.002, expected=expected, seconds=0.1)
         await batcher(0)  # a mean batch of 100 ms: a call may wait up to 150 ms
@@ -115,8 +112,6 @@ def test_batcher_batches_concurrent_calls_and_waits_for_the_expected_ones():
 
 def test_batcher_passes_errors_on_and_drops_cancelled_calls():
     """The function's error reaches every caller of its batch; a caller that gave up is not in the next."""
-    import asyncio
-
     async def main():
         batcher, _ = batching(fail=True)
         results = await asyncio.gather(batcher(1), batcher(2), return_exceptions=True)
@@ -223,8 +218,6 @@ def test_router_stream_closed_mid_way_frees_both_replicas(reference, handles):
 def test_concurrent_requests_share_verify_batches(client, reference, handles):
     """Two requests at once, both running their 24 tokens: the verifier runs their steps together (a batch
     waits for every request with state there) and each output is still the engine's."""
-    from concurrent.futures import ThreadPoolExecutor
-
     prompts, max_tokens = ["The history of the Roman Empire", "A list of prime numbers: 2, 3, 5,"], 24
     before = handles["VerifierReplica"].stats.remote().result()
     with ThreadPoolExecutor(len(prompts)) as pool:
