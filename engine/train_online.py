@@ -158,6 +158,41 @@ def chunked_loss(hidden, head, labels, weights, rows_per_chunk):
     return total / wt.sum().clamp_min(1.0), hits, counted
 
 
+BF16_STRIKES = 3  # non-finite steps in a row under bf16 autocast before the run turns it off
+
+
+@torch.no_grad()
+def first_non_finite(drafter, embed, batch, bf16: bool) -> str:
+    """Where a step's forward first stops being finite, for the log of a step whose gradient was not:
+    the target's features, a drafter parameter, or the first drafter module (in call order) whose
+    output is not finite, saying whether its input was (if it was, the module is the culprit; if not,
+    the functions between modules: attention, rotary)."""
+    if not batch.ctx_features.isfinite().all():
+        return "the target's features"
+    bad = [name for name, p in drafter.named_parameters() if not p.isfinite().all()]
+    if bad:
+        return f"parameter {bad[0]} (and {len(bad) - 1} more)"
+    found = []
+
+    def hook(name):
+        def check(module, args, output):
+            if not found and isinstance(output, torch.Tensor) and not output.isfinite().all():
+                inputs_finite = all(a.isfinite().all() for a in args if isinstance(a, torch.Tensor))
+                found.append(f"module {name} (its input {'finite' if inputs_finite else 'not finite'})")
+        return check
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in drafter.named_modules() if name]
+    try:
+        with torch.autocast(batch.ctx_features.device.type, dtype=torch.bfloat16, enabled=bf16):
+            hidden = train_forward(drafter, embed, batch, None)
+    finally:
+        for h in handles:
+            h.remove()
+    if found:
+        return found[0]
+    return "none in the forward (hidden states finite)" if hidden.isfinite().all() else "the forward's last step"
+
+
 class StepTimer:
     """Milliseconds of a step's parts (synchronising the device at each mark), when `on`."""
 
@@ -291,7 +326,8 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     train_start, train_seconds = budget.elapsed, cfg.budget_s - budget.elapsed - cfg.reserve_s
     next_eval, step, blocks = time.monotonic() + cfg.eval_every_s, 0, 0
     bar = tqdm(desc="train", unit="step", disable=quiet)
-    skipped = 0
+    skipped = in_a_row = 0
+    bf16_off_at = None
     while (progress := (budget.elapsed - train_start) / train_seconds if train_seconds > 0 else 1.0) < 1:
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * lr_scale(cfg, step, progress)
@@ -324,12 +360,23 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
             continue
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         if not torch.isfinite(grad_norm):  # one bad batch must not end the run: its update is dropped
-            skipped += 1
-            log({"step": step, "skipped": "non-finite gradient", "loss": loss.item(), "skipped_total": skipped})
+            skipped, in_a_row = skipped + 1, in_a_row + 1
+            entry = {"step": step, "seconds": budget.elapsed, "dropped": "non-finite gradient", "loss": loss.item(),
+                     "skipped_total": skipped}
+            if in_a_row == 1:
+                entry["first_non_finite"] = first_non_finite(drafter, embed, batch, cfg.bf16)
+            if cfg.bf16 and in_a_row >= BF16_STRIKES:  # not one bad batch: bf16 itself; the run goes on in float32
+                cfg.bf16, bf16_off_at, in_a_row = False, step, 0
+                torch.set_float32_matmul_precision("high")  # TF32 on a GPU's tensor cores; nothing on a CPU
+                entry["bf16"] = f"off after {BF16_STRIKES} non-finite steps in a row: float32 from here"
+                if not quiet:
+                    bar.write(entry["bf16"])
+            log(entry)
             if skipped > 20 and skipped > step:
                 raise RuntimeError(f"{skipped} steps had non-finite gradients (of {step + skipped}); see {log_path}")
             continue
         optimizer.step()
+        in_a_row = 0
         timer.mark("optimizer")
         step, blocks = step + 1, blocks + len(batch.block_ids)
         if timer.on:
@@ -352,7 +399,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     summary = {"config": asdict(cfg), "target": str(target_path), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "replies": len(replies), "reply_tokens": num_reply_tokens,
                "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start, "steps": step,
-               "skipped_steps": skipped,
+               "skipped_steps": skipped, "bf16_off_at_step": bf16_off_at,
                "blocks": blocks, "final": evals[-1], "seconds": budget.elapsed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_online(log_path, out / "curves.png")
@@ -366,7 +413,7 @@ def plot_online(log_path, png_path):
     import matplotlib.pyplot as plt
 
     entries = [json.loads(line) for line in Path(log_path).read_text().splitlines() if line.strip()]
-    steps = [e for e in entries if "loss" in e]
+    steps = [e for e in entries if "loss" in e and "dropped" not in e]
     evals = [e for e in entries if e.get("eval")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot([e["seconds"] for e in steps], [e["loss"] for e in steps])

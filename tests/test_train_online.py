@@ -4,6 +4,7 @@ features, sampled replies are labelled with the greedy chain, the chunked loss e
 and the whole GPU run goes through on the CPU with a tiny random target."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -142,3 +143,32 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     assert (tmp_path / "train" / "curves.png").stat().st_size > 0
     costs = record["phases"]["costs"]["result"]["rows"]
     assert set(costs) == {"1", "8", "32"} and all(row["ceiling_vs_ar"] > 0 for row in costs.values())
+
+
+def test_a_run_whose_bf16_steps_are_not_finite_goes_on_in_float32(tmp_path, monkeypatch):
+    """A drafter whose fc gives NaN under bf16 autocast (a mock of a kernel failing on one device: the
+    first GPU run's loss went NaN and the CPU cannot reproduce it) must not end the run: after
+    BF16_STRIKES skipped steps it trains in float32, and the log says where the forward first went
+    non-finite."""
+    from engine import gpu_run, train_online as online
+
+    make = online.make_drafter
+
+    def nan_in_bf16(cfg, target_config):
+        drafter = make(cfg, target_config)
+        forward = drafter.fc.forward
+        drafter.fc.forward = lambda x: forward(x) * (torch.nan if torch.is_autocast_enabled(x.device.type) else 1.0)
+        return drafter
+
+    monkeypatch.setattr(online, "make_drafter", nan_in_bf16)
+    cfg = online.OnlineConfig(out=str(tmp_path / "run"), target=str(gpu_run.tiny_target(tmp_path / "tiny")),
+                              device="cpu", bf16=True, budget_s=20, generate_batch=16, seqs_per_step=4, anchors=16,
+                              held_out_limit=4, prompt_limit=32, max_new_tokens=16, eval_every_s=60, reserve_s=3,
+                              intermediate_size=0, warmup_steps=2)
+    summary = online.train_online(cfg, quiet=True)
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    skipped = [e for e in log if "dropped" in e]
+    assert len(skipped) == online.BF16_STRIKES and "off" in skipped[-1]["bf16"]
+    assert skipped[0]["first_non_finite"] == "module fc (its input finite)"
+    assert summary["bf16_off_at_step"] == 0 and summary["steps"] > 0
+    assert all(math.isfinite(e["loss"]) for e in log if "loss" in e and "dropped" not in e)
