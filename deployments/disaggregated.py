@@ -3,7 +3,7 @@
 
 Replica state (KV slots and mirror Requests) is a cache of the router's truth: a replica that lacks
 a request's state answers Lost, and the router rebuilds it by re-prefilling from the committed
-tokens (and the saved states of the seeded random streams), so the output is unchanged.
+tokens, so the output is unchanged (a seeded request's tokens are functions of its seed and positions).
 A replica (or a target shard under it) that dies under a call is lost state too: the router retries
 with growing pauses until Serve routes to a healthy replica, for at most REPLICA_RECOVERY_S.
 Both replicas run the colocated topology's engine code through its public methods (Engine.draft,
@@ -272,11 +272,6 @@ def pad_rows(rows) -> torch.Tensor | None:
     return out
 
 
-def _rng_state(r: Request, name: str) -> torch.Tensor | None:
-    generator = getattr(r, name)
-    return None if generator is None else generator.get_state()
-
-
 # ---- verifier -----------------------------------------------------------------------------
 
 
@@ -301,35 +296,28 @@ class VerifierReplica(_MirrorReplica):
         self._batches = self._batcher(self._verify, wait_for_all=True)  # the dearer pass: make it count
 
     async def prefill(self, request_id: str, prompt_ids: list[int], output_ids: list[int],
-                      params: RequestParams | SamplingParams, verify_rng: torch.Tensor | None) -> Prefilled | Lost:
+                      params: RequestParams | SamplingParams) -> Prefilled | Lost:
         """Build the request's state from the router's truth. With no output yet: validate the request
         (raises EngineRequestError) and sample the first token. Otherwise rebuild the cache for the
-        committed tokens (`params` resolved then) and restore the verify generator; no token is sampled."""
+        committed tokens (`params` resolved then); the token sampled is discarded."""
         if isinstance(params, RequestParams):
             params = sampling_params(self.engine, self._info.max_block_size, prompt_ids, params)
         held = await self._hold(request_id)
-        return await self._on_engine(self._prefill, held, prompt_ids, output_ids, params, verify_rng)
+        return await self._on_engine(self._prefill, held, prompt_ids, output_ids, params)
 
     @torch.inference_mode()
-    def _prefill(self, held, prompt_ids, output_ids, params, verify_rng):
+    def _prefill(self, held, prompt_ids, output_ids, params):
         # the mirror's prompt is everything the target must cache: prompt + output[:-1]
         mirror_params = replace(params, max_tokens=params.max_tokens - max(len(output_ids) - 1, 0))
         r = self._admit(held, prompt_ids + output_ids[:-1], mirror_params)
         if r is None:
             return Lost()
         rebuild = bool(output_ids)
-        generator = r.verify_generator
-        if rebuild:
-            r.verify_generator = None  # the token sampled below is discarded: leave the stream untouched
         first = self.engine.prefill([r])[0]
         r.output_ids = output_ids[-1:] if rebuild else first
-        if generator is not None:
-            if verify_rng is not None:
-                generator.set_state(verify_rng)
-            r.verify_generator = generator
         features, r.pending_features = r.pending_features, None
         self._record_load()
-        return Prefilled(params, [] if rebuild else first, features.clone(), _rng_state(r, "verify_generator"))
+        return Prefilled(params, [] if rebuild else first, features.clone())
 
     async def shard_actors(self) -> list:
         """This replica's TargetShard actors (none when the target runs in this process), for fault tests."""
@@ -371,8 +359,7 @@ class VerifierReplica(_MirrorReplica):
         for j, (i, r) in enumerate(zip(rows, requests)):
             self.engine.commit(r, num_accepted[j] + 1, features[j])
             new_features, r.pending_features = r.pending_features, None
-            results[i] = Verified(num_accepted[j], next_ids[j][: num_accepted[j] + 1], new_features.clone(),
-                                  _rng_state(r, "verify_generator"))
+            results[i] = Verified(num_accepted[j], next_ids[j][: num_accepted[j] + 1], new_features.clone())
         self._record_load()
         return results
 
@@ -414,13 +401,8 @@ class DrafterReplica(_MirrorReplica):
         self._free_evicted()
         mirrors = []
         for held, start in zip(helds, starts):
-            if start is not None:
-                r = self._admit(held, start.prompt_ids, start.params, start.tenant)
-                if r is not None and r.draft_generator is not None and start.draft_rng is not None:
-                    r.draft_generator.set_state(start.draft_rng)
-                mirrors.append(r)
-            else:
-                mirrors.append(self._live(held))
+            mirrors.append(self._live(held) if start is None else self._admit(held, start.prompt_ids, start.params,
+                                                                               start.tenant))
         rows = sorted((i for i, r in enumerate(mirrors) if r is not None), key=lambda i: mirrors[i].draft_slot)
         results = [Lost()] * len(helds)
         if not rows:
@@ -457,8 +439,7 @@ class DrafterReplica(_MirrorReplica):
             probs = None
             if draft.draft_probs is not None and r.params.temperature > 0:
                 probs = draft.draft_probs[j, : b - 1].float().cpu().clone()
-            results[i] = Drafted(draft.block_ids[j, :b].tolist(), probs, _rng_state(r, "draft_generator"),
-                                 "suffix" if widths[j] else "dflash")
+            results[i] = Drafted(draft.block_ids[j, :b].tolist(), probs, "suffix" if widths[j] else "dflash")
         self._record_load()
         return results
 
@@ -552,29 +533,26 @@ class Router:
                 r = Request(0, list(prompt_ids), out.params, tenant=params.tenant)
                 stop_ids = info.stop_token_ids
                 r.append_output(out.token_ids, stop_ids, speculative=False)
-                verify_rng, draft_rng = out.verify_rng, None
                 new_ids, features = out.token_ids, out.features
-                start = DraftStart(r.prompt_ids, r.params, None, params.tenant)
+                start = DraftStart(r.prompt_ids, r.params, params.tenant)
                 yield self._chunk(r, out.token_ids)
                 while not r.finished:
                     drafted = await self._call("drafter", drafter.draft, request_id, new_ids, features, start)
                     recovery = _Recovery()
                     while isinstance(drafted, Lost):
                         await recovery.before_retry(drafted)
-                        drafted = await self._redraft(verifier, drafter, request_id, r, verify_rng, draft_rng,
-                                                      recovery.deadline)
-                    start, draft_rng = None, drafted.draft_rng
+                        drafted = await self._redraft(verifier, drafter, request_id, r, recovery.deadline)
+                    start = None
                     block_ids, draft_probs = drafted.block_ids, drafted.draft_probs
                     verified = await self._call("verifier", verifier.verify, request_id, block_ids, draft_probs,
                                                 drafted.proposer)
                     recovery = _Recovery()
                     while isinstance(verified, Lost):
                         await recovery.before_retry(verified)
-                        verified = await self._rebuild_verifier(verifier, request_id, r, verify_rng, recovery.deadline)
+                        verified = await self._rebuild_verifier(verifier, request_id, r, recovery.deadline)
                         if not isinstance(verified, Lost):
                             verified = await self._call("verifier", verifier.verify, request_id, block_ids,
                                                         draft_probs, drafted.proposer, deadline=recovery.deadline)
-                    verify_rng = verified.verify_rng
                     r.stats.observe_draft(len(block_ids) - 1, verified.num_accepted, drafted.proposer)
                     new_ids, features = verified.token_ids, verified.features
                     yield self._chunk(r, r.append_output(new_ids, stop_ids))
@@ -640,33 +618,31 @@ class Router:
         """The verifier's first prefill (validates the request, samples the first token); retried when
         the verifier replica dies under it."""
         recovery = _Recovery()
-        out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None)
+        out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params)
         while isinstance(out, Lost) and out.died is not None:
             await recovery.before_retry(out)
-            out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params, None,
+            out = await self._call("verifier", verifier.prefill, request_id, prompt_ids, [], params,
                                    deadline=recovery.deadline)
         if isinstance(out, Lost):
             raise RuntimeError("the verifier had already freed this request")
         return out
 
-    async def _rebuild_verifier(self, verifier, request_id: str, r: Request, verify_rng,
-                                deadline: float | None) -> Prefilled | Lost:
+    async def _rebuild_verifier(self, verifier, request_id: str, r: Request, deadline: float | None) -> Prefilled | Lost:
         """Re-prefill the verifier from the committed tokens (the features of every position), or Lost."""
         self.counters["num_rebuilds"] += 1
         out = await self._call("verifier", verifier.prefill, request_id, r.prompt_ids, r.output_ids, r.params,
-                               verify_rng, deadline=deadline)
+                               deadline=deadline)
         if isinstance(out, Lost) and out.died is None:
             raise RuntimeError("the verifier refused to rebuild this request's state")
         return out
 
-    async def _redraft(self, verifier, drafter, request_id: str, r: Request, verify_rng, draft_rng,
-                       deadline: float | None) -> Drafted | Lost:
+    async def _redraft(self, verifier, drafter, request_id: str, r: Request, deadline: float | None) -> Drafted | Lost:
         """The drafter lost the state: re-prefill the verifier to get every position's features, recreate
         the drafter's state from them and draft. The draft, or what was lost."""
-        rebuilt = await self._rebuild_verifier(verifier, request_id, r, verify_rng, deadline)
+        rebuilt = await self._rebuild_verifier(verifier, request_id, r, deadline)
         if isinstance(rebuilt, Lost):
             return rebuilt
-        start = DraftStart(r.prompt_ids, r.params, draft_rng, r.tenant)
+        start = DraftStart(r.prompt_ids, r.params, r.tenant)
         return await self._call("drafter", drafter.draft, request_id, r.output_ids, rebuilt.features, start,
                                 deadline=deadline)
 

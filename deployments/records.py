@@ -73,7 +73,6 @@ class Prefilled:
     params: SamplingParams  # resolved and checked
     token_ids: list[int]  # the first token; empty when rebuilding a request that has output
     features: torch.Tensor  # [num_cached, F] the target's features of every cached position
-    verify_rng: torch.Tensor | None  # the verify generator's state (seeded requests)
 
 
 @dataclass
@@ -82,7 +81,6 @@ class DraftStart:
 
     prompt_ids: list[int]
     params: SamplingParams
-    draft_rng: torch.Tensor | None  # the draft generator's state to restore (None: fresh from the seed)
     tenant: str | None = None  # RequestParams.tenant
 
 
@@ -90,7 +88,6 @@ class DraftStart:
 class Drafted:
     block_ids: list[int]  # the last committed token, then the drafts
     draft_probs: torch.Tensor | None  # [len(block_ids) - 1, vocab] for a sampling request, else None
-    draft_rng: torch.Tensor | None
     proposer: str = "dflash"  # what drafted it: "dflash" (the drafter) or "suffix"
 
 
@@ -99,4 +96,3 @@ class Verified:
     num_accepted: int
     token_ids: list[int]  # the accepted drafts and the bonus token
     features: torch.Tensor  # [num_accepted + 1, F]
-    verify_rng: torch.Tensor | None

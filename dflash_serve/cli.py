@@ -128,8 +128,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     b.add_argument("--plot", default=None, metavar="PATH.png")
     add_sampling_flags(b, max_new_tokens=64)
     b.add_argument("--unseeded", action="store_true",
-                   help="sampled requests carry no seed, as a server's usually do: a seeded one gets no suffix drafts, "
-                        "an unseeded one's output differs from method to method")
+                   help="sampled requests carry no seed, as a server's usually do: verified by rejection sampling, "
+                        "not exact match, and each method's output differs")
     add_engine_flags(b, exclude=("policy", "max_slots", "max_len"))  # each method sets them
 
     s = subs.add_parser("bench-serve", help="the HTTP server under a concurrency sweep: speculation on, off, in-process")

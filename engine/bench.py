@@ -44,7 +44,7 @@ class BenchConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    unseeded: bool = False  # sampled requests carry no seed, as a server's usually do (suffix drafts on)
+    unseeded: bool = False  # sampled requests carry no seed, as a server's usually do (rejection sampling)
     # our engines' settings; each method sets its own policy, and the bench its slots and context length
     engine: EngineConfig = field(default_factory=EngineConfig)
     batch_size: int | None = None

@@ -20,7 +20,7 @@ from engine.drafter import DraftHead
 from engine.kv_cache import KVCache
 from engine.model import TargetModel
 from engine.policy import BlockPolicy, FixedBlockPolicy
-from engine.sampling import sample, sampling_probs, verify_greedy, verify_rejection
+from engine.sampling import sample, sampling_probs, seeded_choice, verify_exact, verify_greedy, verify_rejection
 from engine.stats import SpecStats
 from engine.suffix import Proposal, SuffixProposer
 from engine.tree import TREE_TOP_K, TokenTree, Tree, build_tree, outcomes, walk
@@ -36,6 +36,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     block_size: int | None = None  # None: the engine's policy decides; 1: no speculation
+
+    @property
+    def seeded(self) -> bool:
+        """A sampled request whose every token is a function of its seed and position (sampling.seeded_choice):
+        its drafts are verified by exact match against those tokens, so its output never depends on them."""
+        return self.temperature > 0 and self.seed is not None
 
     def validate(self):
         t, p = self.temperature, self.top_p
@@ -62,10 +68,6 @@ class Request:
     num_cached: int = 0
     num_prefix_cached: int = 0  # prompt positions reused from another request's cache (not prefilled)
     pending_features: torch.Tensor | None = None  # [c, n_layers * hidden]
-    # seeded requests: one random stream for drafting and one for verifying, so a drafter and a
-    # verifier in different processes reproduce exactly what one process does
-    draft_generator: torch.Generator | None = None
-    verify_generator: torch.Generator | None = None
     stats: SpecStats = field(default_factory=SpecStats)
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per step
     finish_reason: str | None = None
@@ -266,9 +268,6 @@ class Engine:
         if self.target_cache.num_used >= self.target_cache.num_slots:
             raise RuntimeError(f"the engine is full ({self.target_cache.num_slots} requests running)")
         request = Request(next(self._ids), list(prompt_ids), params, tenant=tenant)
-        if params.seed is not None:
-            request.draft_generator = torch.Generator(self.device).manual_seed(params.seed)
-            request.verify_generator = torch.Generator(self.device).manual_seed(params.seed + 1)
         source = self._prefix_source(request.prompt_ids) if self.prefix_cache else None
         request.target_slot = self.target_cache.allocate()
         if self.drafter is not None:
@@ -401,14 +400,10 @@ class Engine:
         return outputs
 
     def suffix_proposals(self, requests, caps) -> list[Proposal | None]:
-        """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer). None for a
-        seeded sampled request: its drafts would then depend on what the server served before (the shared
-        index, the calibration), and with them the random draws its output is made of."""
+        """Each request's suffix proposal of up to cap - 1 tokens (None without a suffix proposer)."""
         if self.suffix is None:
             return [None] * len(requests)
-        return [self.suffix.propose(r.request_id, cap - 1)
-                if cap > 1 and (r.params.seed is None or r.params.temperature == 0) else None
-                for r, cap in zip(requests, caps)]
+        return [self.suffix.propose(r.request_id, cap - 1) if cap > 1 else None for r, cap in zip(requests, caps)]
 
     def with_suffix(self, requests, rows, draft: "DraftBlock", proposals, widths) -> "DraftBlock":
         """One block for every request: rows[j] has the drafter's row j, a request with widths[i] > 0 its
@@ -524,7 +519,7 @@ class Engine:
             self._slots(requests, "target_slot"), max(len(r.prompt_ids) for r in requests), self.feature_layers,
             last.to(self.device),
         )
-        first = self._sample_next(requests, logits)
+        first = self._sample_next(requests, logits, [len(r.prompt_ids) for r in requests])
         for i, r in enumerate(requests):
             r.num_cached = len(r.prompt_ids)
             self.target_cache.crop(r.target_slot, r.num_cached)
@@ -563,7 +558,7 @@ class Engine:
                 ctx, positions = ctx[:, :0], positions[:, -b_max:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
             scores = self.draft_head.scores(hidden[:, 1:])  # [batch, b_max - 1, draft vocabulary]
-            ids, q, conf = self._propose(requests, scores, sampling)
+            ids, q, conf = self._propose(requests, scores, sampling, [r.num_cached + 1 for r in requests])
             if step == 0:
                 drafts, probs, confidence = ids, q, conf
             else:
@@ -610,22 +605,33 @@ class Engine:
         num = (sizes - 1) >> step
         return ranks < num
 
-    def _propose(self, requests, scores, sampling):
-        """From the draft head's scores [batch, n, head vocabulary]: draft ids [batch, n], the
-        distributions of sampling rows over the whole vocabulary [batch, n, vocab] (or None), and
-        each position's confidence [batch, n], the peak of the distribution it is drafted from
-        (for a greedy row, the probability of its argmax)."""
+    def _propose(self, requests, scores, sampling, first_positions):
+        """From the draft head's scores [batch, n, head vocabulary] for the positions from first_positions
+        [batch] on: draft ids [batch, n], the distributions of sampling rows over the whole vocabulary
+        [batch, n, vocab] (or None), and each position's confidence [batch, n], the peak of the
+        distribution it is drafted from (for a greedy row, the probability of its argmax). A seeded row
+        drafts with its seed's noise at each position (sampling.seeded_choice), as the target will pick."""
         head = self.draft_head
         greedy = scores.argmax(dim=-1)
         confidence = scores.softmax(dim=-1).amax(dim=-1)
         if not any(sampling):
             return head.ids(greedy), None, confidence
         probs = self._probs(requests, scores)  # the reduced head's -inf elsewhere: zero there
-        sampled = sample(probs, [r.draft_generator for r in requests])
+        full = head.to_vocab(probs, self.target.config.vocab_size)
+        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], head.ids(sample(probs)), head.ids(greedy))
+        seeded = [i for i, r in enumerate(requests) if r.params.seeded]
+        if seeded:
+            index = torch.tensor(seeded, device=self.device)
+            ids[index] = self._seeded_choice([requests[i] for i in seeded], full[index], [first_positions[i] for i in seeded])
         rows = torch.tensor(sampling, device=self.device)[:, None]
-        ids = torch.where(rows, head.ids(sampled), head.ids(greedy))
         confidence = torch.where(rows, probs.amax(dim=-1), confidence)
-        return ids, head.to_vocab(probs, self.target.config.vocab_size), confidence
+        return ids, full, confidence
+
+    def _seeded_choice(self, requests, probs, first_positions):
+        """sampling.seeded_choice for these requests' rows of probs [rows, n, vocab], position first_positions[i] on."""
+        seeds = torch.tensor([r.params.seed for r in requests], device=self.device)
+        positions = torch.tensor(first_positions, device=self.device)[:, None] + torch.arange(probs.shape[1], device=self.device)
+        return seeded_choice(probs, seeds, positions)
 
     @torch.inference_mode()
     def verify(self, requests: list[Request], draft: DraftBlock):
@@ -642,7 +648,8 @@ class Engine:
             tree=tree,
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
-        num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft)
+        num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft,
+                                              [r.num_cached + 1 for r in requests])
         num_accepted, next_ids = num_accepted.tolist(), next_ids.tolist()
         if tree is not None:
             self._accept_trees(requests, draft, logits, features, num_accepted, next_ids)
@@ -695,27 +702,35 @@ class Engine:
         top_p = torch.tensor([float(r.params.top_p) for r in requests])
         return sampling_probs(logits, temperature, top_k, top_p)
 
-    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft):
-        """Greedy rows by exact match, sampling rows by rejection sampling -> (num_accepted, next_ids).
+    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, first_positions):
+        """Greedy rows by exact match against the argmax, seeded rows by exact match against their seeded
+        samples, other sampling rows by rejection sampling -> (num_accepted, next_ids).
 
-        draft_ids [batch, b - 1]; draft_probs [batch, b - 1, vocab] or None; logits [batch, b, vocab]
+        draft_ids [batch, b - 1]; draft_probs [batch, b - 1, vocab] or None; logits [batch, b, vocab];
+        first_positions [batch]: the position of the token logits[:, 0] predicts
         """
         num_accepted, next_ids = verify_greedy(draft_ids, logits, num_draft)
-        rows = [i for i, r in enumerate(requests) if r.params.temperature > 0]
-        if rows:
+        for seeded in (True, False):
+            rows = [i for i, r in enumerate(requests) if r.params.temperature > 0 and r.params.seeded == seeded]
+            if not rows:
+                continue
             sub = [requests[i] for i in rows]
             index = torch.tensor(rows, device=self.device)
             target_probs = self._probs(sub, logits[index])
-            q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
-            acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index], [r.verify_generator for r in sub])
+            if seeded:
+                chosen = self._seeded_choice(sub, target_probs, [first_positions[i] for i in rows])
+                acc, nxt = verify_exact(draft_ids[index], chosen, num_draft[index])
+            else:
+                q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
+                acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index])
             num_accepted, next_ids = num_accepted.index_copy(0, index, acc), next_ids.index_copy(0, index, nxt)
         return num_accepted, next_ids
 
-    def _sample_next(self, requests, logits):
-        """The next token from [batch, 1, vocab] logits: argmax or a sample, per request."""
+    def _sample_next(self, requests, logits, positions):
+        """The next token, at positions [batch], from [batch, 1, vocab] logits: argmax or a sample, per request."""
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=logits.device)
         num_draft = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
-        return self._accept(requests, empty, None, logits, num_draft)[1][:, 0].tolist()
+        return self._accept(requests, empty, None, logits, num_draft, positions)[1][:, 0].tolist()
 
     # ---- convenience drivers -------------------------------------------------------------
 

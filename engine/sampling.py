@@ -137,6 +137,72 @@ def sample(probs, generators: Generators = None) -> torch.Tensor:
     return ids.squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
 
+# ---- seeded sampling: a position's token is a function of (seed, position, distribution) ----------------
+
+
+def _u64(x: int) -> int:
+    """A 64-bit constant as the int64 torch holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _u64(0x9E3779B97F4A7C15), _u64(0xBF58476D1CE4E5B9), _u64(0x94D049BB133111EB)
+
+
+def _shr(x, s):
+    """Logical right shift of int64 x (torch shifts arithmetically)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x):
+    """splitmix64's finaliser on int64 tensors (wrapping arithmetic): every input bit reaches every output bit."""
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def hashed_uniform(seeds, positions, ids):
+    """U(0, 1) float64 noise that is a pure function of (seed, position, id): the same on any device, in
+    any batch, on any step. seeds [B] long; positions [B, n] long; ids [B, n, m] long (-1: a draw of the
+    position that belongs to no token). Returns [B, n, m]."""
+    key = _mix(_mix(positions + _GOLDEN) ^ seeds[:, None])  # [B, n]
+    bits = _mix(key[..., None] + (ids + 2) * _GOLDEN)
+    return (_shr(bits, 11).double() + 0.5) / float(1 << 53)
+
+
+def seeded_choice(probs, seeds, positions, candidates: int = TOP_P_CANDIDATES):
+    """A sample of each position's distribution decided by its request's seed and its position alone.
+
+    probs [B, n, V] (each row summing to ~1), seeds [B] long, positions [B, n] long (the position of the
+    token drawn). Returns ids [B, n] long, each distributed exactly as its row of probs:
+    - with a hashed uniform u of the position, the token is one of the row's `candidates` most probable
+      ones if u * total < their mass (always when no other token has mass), else one of the others;
+    - among the candidates: Gumbel-max, argmax(log p + g) with g = -log(-log(u_id)) hashed per token id,
+      which picks each with probability p / mass; among the others, the inverse CDF at u's rescaled value.
+    Gumbel noise by token id couples two distributions: a drafter that draws its q with the same seed and
+    position picks the target's token whenever argmax(log q + g) = argmax(log p + g), which is likely when
+    q is close to p; and the target's token never depends on what was drafted (docs/design.md)."""
+    probs = probs.float()
+    top, ids = probs.topk(min(candidates, probs.shape[-1]), dim=-1)  # [B, n, m], descending
+    gumbel = -torch.log(-torch.log(hashed_uniform(seeds, positions, ids)))
+    scores = torch.where(top > 0, top.double().log() + gumbel, -torch.inf)
+    choice = ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    wider = (top[..., -1] > 0) & (top.shape[-1] < probs.shape[-1])  # mass may lie past the candidates
+    if not bool(wider.any()):
+        return choice
+    mass, total = top.double().sum(-1), probs.sum(-1).double()
+    u = hashed_uniform(seeds, positions, torch.full_like(ids[..., :1], -1))[..., 0] * total
+    tail = (wider & (u >= mass)).nonzero(as_tuple=True)
+    if not len(tail[0]):
+        return choice
+    rest = probs[tail].scatter(-1, ids[tail], 0.0)  # [t, V]: the mass past the candidates
+    cdf = rest.double().cumsum(-1)
+    v = (u[tail] - mass[tail]).clamp_min(0) / (total[tail] - mass[tail]).clamp_min(_TINY)
+    tail_ids = torch.searchsorted(cdf, (v.clamp_max(1) * cdf[:, -1])[:, None], right=True)[:, 0]
+    has_rest = cdf[:, -1] > 0  # rounding put u past a candidate mass that held everything: keep the Gumbel choice
+    choice[tail] = torch.where(has_rest, tail_ids.clamp_max(probs.shape[-1] - 1), choice[tail])
+    return choice
+
+
 def _accepted_prefix(ok, num_draft):
     """Length [B] of the leading run of True in ok [B, K], positions >= num_draft [B] never count."""
     pos = torch.arange(ok.shape[1], device=ok.device)
@@ -150,19 +216,24 @@ def _zero_tail(ids, num_accepted):
     return ids.masked_fill(pos > num_accepted[:, None], 0)
 
 
-def verify_greedy(draft_ids, target_logits, num_draft):
-    """Accept the longest prefix of drafts equal to the target argmax; bonus = target argmax there.
+def verify_exact(draft_ids, target_ids, num_draft):
+    """Accept the longest prefix of drafts equal to the target's own tokens; bonus = the target's token there.
 
-    draft_ids:     [B, K] long, tokens for block positions 1..K
-    target_logits: [B, K+1, V], position i predicts the token at position i+1
-    num_draft:     [B] long, valid drafts per row; entries past it are padding, never accepted
+    draft_ids:  [B, K] long, tokens for block positions 1..K
+    target_ids: [B, K+1] long, the target's token after each block position (its argmax, or its seeded
+                sample): position i's is the token at position i+1
+    num_draft:  [B] long, valid drafts per row; entries past it are padding, never accepted
     Returns num_accepted [B] long in [0, num_draft] and next_ids [B, K+1] long holding the accepted
     drafts then the bonus token in positions 0..num_accepted (zeros after). No host sync.
     """
-    target_ids = target_logits.argmax(-1)                                        # [B, K+1]
     num_accepted = _accepted_prefix(draft_ids == target_ids[:, :-1], num_draft)  # [B]
-    # accepted drafts equal the argmax, so the target ids already are the emitted tokens
+    # accepted drafts equal the target's tokens, so those already are the emitted tokens
     return num_accepted, _zero_tail(target_ids, num_accepted)
+
+
+def verify_greedy(draft_ids, target_logits, num_draft):
+    """verify_exact against the target's argmax (target_logits [B, K+1, V])."""
+    return verify_exact(draft_ids, target_logits.argmax(-1), num_draft)
 
 
 def verify_rejection(draft_ids, draft_probs, target_probs, num_draft, generators: Generators = None):

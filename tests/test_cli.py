@@ -172,7 +172,7 @@ def test_bench_int8_drafter():
 
 def test_bench_unseeded_requests_carry_no_seed():
     """Seeded by default (outputs comparable across methods); --unseeded sends what a server usually
-    gets, and runs end to end (transformers' sampling with no seed set, ours with suffix drafts)."""
+    gets, and runs end to end (transformers' sampling with no seed set, ours by rejection sampling)."""
     assert sampling_params(BenchConfig(temperature=0.7, seed=5), 3).seed == 8
     assert sampling_params(BenchConfig(temperature=0.7, unseeded=True), 3).seed is None
     result = run_cli("bench", "--methods", "hf,dflash+suffix", "--unseeded", "--temperature", "0.8", "--num-prompts", "1",

@@ -108,7 +108,7 @@ def test_reduced_draft_head_proposes_only_its_vocabulary_and_stays_exact(tmp_pat
     engine = Engine(target, drafter, max_slots=4)
     proposed = []
     original = engine._propose
-    engine._propose = lambda reqs, logits, sampling: proposed.append(original(reqs, logits, sampling)) or proposed[-1]
+    engine._propose = lambda *args: proposed.append(original(*args)) or proposed[-1]
     requests = engine.generate_batch(prompts, SamplingParams(max_tokens=24, block_size=4))
     assert [r.output_ids for r in requests] == reference
     sampled = engine.generate_batch(prompts, SamplingParams(max_tokens=8, block_size=4, temperature=1.0, seed=3))
@@ -154,17 +154,19 @@ class TokenPeekingEngine(Engine):
         return drafted.trimmed([min(b, 1 + int(k)) for b, k in zip(drafted.block_sizes, keep)])
 
 
-def sampled_sequences_fit_the_target(engine, temperature, top_k, top_p, num=3000):
+def sampled_sequences_fit_the_target(engine, temperature, top_k, top_p, num=3000, seeded=False):
     """Whether the first 3 tokens sampled through `engine` (tiny target, 6-token vocabulary) follow the
-    target's law: a chi-square test at z = 4 (p ~ 3e-5). Returns (fits, chi2, threshold)."""
+    target's law: a chi-square test at z = 4 (p ~ 3e-5). `seeded`: request i carries seed i.
+    Returns (fits, chi2, threshold)."""
     from engine.sampling import sampling_probs
 
     prompt, length = [1, 2, 3], 3
     params = SamplingParams(max_tokens=length, temperature=temperature, top_k=top_k, top_p=top_p, block_size=3)
     counts = torch.zeros(6**length)
     torch.manual_seed(0)
-    for _ in range(num // 100):
-        for r in engine.generate_batch([prompt] * 100, params):
+    for batch in range(num // 100):
+        seeds = [batch * 100 + i if seeded else None for i in range(100)]
+        for r in engine.generate_batch([prompt] * 100, [replace(params, seed=seed) for seed in seeds]):
             counts[sum(t * 6 ** (length - 1 - i) for i, t in enumerate(r.output_ids))] += 1
     assert engine.stats.num_drafts > 0
 
@@ -207,16 +209,36 @@ def test_a_trim_that_peeks_at_sampled_tokens_is_caught():
     assert not fits, (chi2, threshold)
 
 
-def test_seed_reproducible_alone_or_batched():
+def test_a_seeded_request_gets_the_same_tokens_with_or_without_speculation_in_any_batch():
+    """A seeded sampled request's tokens are functions of its seed and positions (float32): plain decoding,
+    DFlash at blocks 2 and 4, suffix drafts beside DFlash, a batch shared with other requests and an engine
+    that served others first all give the same output, and speculation accepted drafts on the way."""
+    from engine.suffix import SuffixProposer
+
     target, drafter = tiny_models(seed=3)
-    engine = Engine(target, drafter, max_slots=4)
-    params = SamplingParams(max_tokens=20, temperature=1.0, seed=42, block_size=4)
-    alone = engine.generate_batch([[1, 2, 3]], params)[0].output_ids
-    again = engine.generate_batch([[1, 2, 3]], SamplingParams(**{**params.__dict__}))[0].output_ids
-    assert alone == again
-    other = SamplingParams(max_tokens=20, temperature=1.0, block_size=4)
-    batched = engine.generate_batch([[1, 2, 3], [4, 5]], [SamplingParams(**{**params.__dict__}), other])[0].output_ids
-    assert batched == alone
+    prompts = repetitive_prompts(3, TINY.vocab_size, seed=3) + random_prompts(2, TINY.vocab_size, seed=3)
+    seeded = [SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=40 + i) for i in range(len(prompts))]
+    reference = [Engine(target).generate_batch([p], [params])[0].output_ids for p, params in zip(prompts, seeded)]
+    assert len({tuple(r) for r in reference}) == len(prompts)
+    other = SamplingParams(max_tokens=24, temperature=1.0)  # unseeded: rejection sampling beside them
+    for engine in (Engine(target, drafter, max_slots=6, policy=FixedBlockPolicy(2)),
+                   Engine(target, drafter, max_slots=6, policy=FixedBlockPolicy(4)),
+                   Engine(target, drafter, max_slots=6, policy=AlternateSources(4), suffix=SuffixProposer())):
+        engine.generate_batch(random_prompts(3, TINY.vocab_size, seed=9), other)  # a history before
+        out = engine.generate_batch(prompts + [[1, 2]], seeded + [other])
+        assert [r.output_ids for r in out[:-1]] == reference
+        alone = [engine.generate_batch([p], [params])[0].output_ids for p, params in zip(prompts, seeded)]
+        assert alone == reference
+        assert engine.stats.num_accepted_tokens > 0
+
+
+def test_seeded_speculative_sampling_over_seeds_matches_target_distribution():
+    """Over requests with different seeds, the first 3 tokens that seeded DFlash samples (random drafter,
+    blocks cut by confidence) follow the target's law."""
+    target, drafter = tiny_models(seed=2, vocab_size=6)
+    engine = Engine(target, drafter, max_slots=100, policy=ConfidenceCut(3))
+    fits, chi2, threshold = sampled_sequences_fit_the_target(engine, 0.8, 0, 0.9, seeded=True)
+    assert fits, (chi2, threshold)
 
 
 def test_prefill_groups_fit_the_budget_in_arrival_order():

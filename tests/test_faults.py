@@ -172,18 +172,18 @@ class StandIns:
     async def info(self):
         return SimpleNamespace(stop_token_ids=())
 
-    async def prefill(self, request_id, prompt_ids, output_ids, params, verify_rng):
+    async def prefill(self, request_id, prompt_ids, output_ids, params):
         await self._enter("prefill", "verifier")
         self.has_state["verifier"] = True
         if isinstance(params, RequestParams):
             params = SamplingParams(**{k: v for k, v in asdict(params).items() if v is not None})
-        return Prefilled(params, [] if output_ids else [10], torch.zeros(len(prompt_ids) + len(output_ids), 1), None)
+        return Prefilled(params, [] if output_ids else [10], torch.zeros(len(prompt_ids) + len(output_ids), 1))
 
     async def verify(self, request_id, block_ids, draft_probs, proposer="dflash"):
         await self._enter("verify", "verifier")
         if not self.has_state["verifier"]:
             return Lost()
-        return Verified(0, [block_ids[0] + 1], torch.zeros(1, 1), None)
+        return Verified(0, [block_ids[0] + 1], torch.zeros(1, 1))
 
     async def draft(self, request_id, new_ids, features, start):
         await self._enter("draft", "drafter")
@@ -191,7 +191,7 @@ class StandIns:
             self.has_state["drafter"] = True
         if not self.has_state["drafter"]:
             return Lost()
-        return Drafted([new_ids[-1]], None, None)
+        return Drafted([new_ids[-1]], None)
 
     async def free(self, request_id, finished=False):
         self.freed.append(request_id)

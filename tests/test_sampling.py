@@ -1,14 +1,14 @@
-"""Tests for engine.sampling: truncation maths, greedy verification, and the statistical check that
+"""Tests for engine.sampling: truncation maths, greedy verification, the statistical check that
 speculative rejection sampling emits tokens distributed exactly as the target model (with a buggy
-variant to show the check can fail)."""
+variant to show the check can fail), and seeded sampling's law and purity."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.sampling import (TOP_P_CANDIDATES, sample, sampling_probs, uniform_rows, verify_greedy,
-                             verify_rejection)
+from engine.sampling import (TOP_P_CANDIDATES, hashed_uniform, sample, sampling_probs, seeded_choice, uniform_rows,
+                             verify_exact, verify_greedy, verify_rejection)
 
 
 def _params(batch, temperature=1.0, top_k=0, top_p=1.0):
@@ -341,3 +341,50 @@ def test_detector_flags_wrong_rules(bug):
                                  check_bounds=False)
     stat, threshold = _chi2(counts, expected)
     assert stat > 3 * threshold, (stat, threshold)
+
+
+@pytest.mark.parametrize("candidates", [3, 12, TOP_P_CANDIDATES], ids=["tail", "all-candidates", "default"])
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_seeded_choice_over_seeds_follows_the_distribution(candidates, top_p):
+    """Over many seeds, one position's seeded token has the row's law: Gumbel-max among the candidates,
+    the inverse CDF past them (`tail`: 3 candidates of 12 tokens with mass), and a truncated row's zeros
+    never drawn. A choice that ignored the tail, or the candidates' noise, would fail."""
+    torch.manual_seed(0)
+    probs = sampling_probs(torch.randn(1, 12) * 1.5, 1.0, 0, top_p)[0].double()
+    n = 60_000
+    ids = seeded_choice(probs.float().expand(n, 1, 12), torch.arange(n), torch.full((n, 1), 5), candidates)
+    stat, threshold = _chi2(torch.bincount(ids.flatten(), minlength=12), probs * n)
+    assert stat < threshold, (stat, threshold)
+    if candidates == 3:  # the test's power: a choice among the candidates alone (the tail ignored) fails it
+        kept = torch.zeros(12).scatter(0, probs.topk(3).indices, probs.float().topk(3).values)
+        ignored = seeded_choice((kept / kept.sum()).expand(n, 1, 12), torch.arange(n), torch.full((n, 1), 5), 3)
+        stat, threshold = _chi2(torch.bincount(ignored.flatten(), minlength=12), probs * n)
+        assert stat > threshold, (stat, threshold)
+
+
+def test_seeded_choice_is_a_function_of_seed_position_and_distribution():
+    """The same (seed, position, row) gives the same token in any batch, row order or step; another seed or
+    position draws afresh; hashed noise lies in (0, 1) and its rows differ."""
+    torch.manual_seed(1)
+    probs = torch.softmax(torch.randn(4, 3, 50) * 2, -1)
+    seeds, positions = torch.tensor([7, 8, 7, 9]), torch.tensor([[10, 11, 12]] * 4)
+    together = seeded_choice(probs, seeds, positions, candidates=8)
+    alone = torch.stack([seeded_choice(probs[i: i + 1], seeds[i: i + 1], positions[i: i + 1], candidates=8)[0]
+                         for i in range(4)])
+    assert torch.equal(together, alone)
+    flipped = seeded_choice(probs.flip(0), seeds.flip(0), positions, candidates=8)
+    assert torch.equal(flipped.flip(0), together)
+    row = probs[0].expand(200, 3, 50)
+    by_seed = seeded_choice(row, torch.arange(200), positions[:1].expand(200, 3), candidates=8)
+    assert len({tuple(t) for t in by_seed.tolist()}) > 20
+    u = hashed_uniform(torch.arange(3), torch.arange(4).expand(3, 4), torch.arange(-1, 99).expand(3, 4, 100))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[:, 0], u[:, 1])
+
+
+def test_verify_exact_accepts_the_prefix_equal_to_the_targets_tokens():
+    drafts = torch.tensor([[3, 4, 5], [3, 9, 5], [1, 1, 1]])
+    target_ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [2, 2, 2, 2]])
+    num_accepted, next_ids = verify_exact(drafts, target_ids, torch.tensor([3, 3, 3]))
+    assert num_accepted.tolist() == [3, 1, 0]
+    assert next_ids.tolist() == [[3, 4, 5, 6], [3, 4, 0, 0], [2, 0, 0, 0]]
