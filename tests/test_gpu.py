@@ -54,11 +54,14 @@ def test_dflash_equals_greedy_batched_on_cuda(loaded):
 
 
 def test_seeded_sampling_on_cuda(loaded):
-    engine = build_engine(replace(CONFIG, max_slots=2), loaded)
+    """A seeded request gets plain decoding's tokens with speculation, alone and in a batch, on CUDA."""
+    params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7)
     prompt = chat_ids(loaded.tokenizer, QUESTIONS[1])
-    runs = [engine.generate_batch([prompt], SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7))[0]
-            for _ in range(2)]
-    assert runs[0].output_ids == runs[1].output_ids
+    plain = build_engine(replace(CONFIG, draft="none"), loaded).generate_batch([prompt], params)[0].output_ids
+    engine = build_engine(CONFIG, loaded)
+    assert engine.generate_batch([prompt], params)[0].output_ids == plain
+    others = [chat_ids(loaded.tokenizer, q) for q in QUESTIONS[2:]]
+    assert engine.generate_batch([prompt] + others, [params] + [replace(params, seed=None)] * 2)[0].output_ids == plain
 
 
 def test_datagen_and_training_on_cuda_match_the_cpu(loaded, tmp_path):
