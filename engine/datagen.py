@@ -198,11 +198,11 @@ class CaptureEngine(Engine):
         self.target_cache.crop(r.target_slot, r.num_cached)
         self.features[r.request_id].append(features[:num_new].clone())
 
-    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, first_positions):
+    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, target_ids):
         logp, ids = logits[:, -1].float().log_softmax(-1).topk(self.top_k, dim=-1)
         for i, r in enumerate(requests):
             self.topk.setdefault(r.request_id, []).append((ids[i].int(), logp[i].half()))
-        return super()._accept(requests, draft_ids, draft_probs, logits, num_draft, first_positions)
+        return super()._accept(requests, draft_ids, draft_probs, logits, num_draft, target_ids)
 
 
 def pack_shard(requests, engine: CaptureEngine) -> dict:

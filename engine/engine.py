@@ -20,7 +20,7 @@ from engine.drafter import DraftHead
 from engine.kv_cache import KVCache
 from engine.model import TargetModel
 from engine.policy import BlockPolicy, FixedBlockPolicy
-from engine.sampling import sample, sampling_probs, seeded_choice, verify_exact, verify_greedy, verify_rejection
+from engine.sampling import sample, sampling_probs, seeded_choice, verify_exact, verify_rejection
 from engine.stats import SpecStats
 from engine.suffix import Proposal, SuffixProposer
 from engine.tree import TREE_TOP_K, TokenTree, Tree, build_tree, outcomes, walk
@@ -558,7 +558,7 @@ class Engine:
                 ctx, positions = ctx[:, :0], positions[:, -b_max:]
             hidden = self.drafter(ctx, self.target.embed_tokens(block_ids), positions, self.draft_cache, slots, kv_len, block_end)
             scores = self.draft_head.scores(hidden[:, 1:])  # [batch, b_max - 1, draft vocabulary]
-            ids, q, conf = self._propose(requests, scores, sampling, [r.num_cached + 1 for r in requests])
+            ids, q, conf = self._propose(requests, scores, sampling, self._positions(requests, scores.shape[1]))
             if step == 0:
                 drafts, probs, confidence = ids, q, conf
             else:
@@ -605,9 +605,9 @@ class Engine:
         num = (sizes - 1) >> step
         return ranks < num
 
-    def _propose(self, requests, scores, sampling, first_positions):
-        """From the draft head's scores [batch, n, head vocabulary] for the positions from first_positions
-        [batch] on: draft ids [batch, n], the distributions of sampling rows over the whole vocabulary
+    def _propose(self, requests, scores, sampling, positions):
+        """From the draft head's scores [batch, n, head vocabulary] for the tokens at positions [batch, n]:
+        draft ids [batch, n], the distributions of sampling rows over the whole vocabulary
         [batch, n, vocab] (or None), and each position's confidence [batch, n], the peak of the
         distribution it is drafted from (for a greedy row, the probability of its argmax). A seeded row
         drafts with its seed's noise at each position (sampling.seeded_choice), as the target will pick."""
@@ -622,16 +622,19 @@ class Engine:
         seeded = [i for i, r in enumerate(requests) if r.params.seeded]
         if seeded:
             index = torch.tensor(seeded, device=self.device)
-            ids[index] = self._seeded_choice([requests[i] for i in seeded], full[index], [first_positions[i] for i in seeded])
+            ids[index] = self._seeded_choice([requests[i] for i in seeded], full[index], positions[index])
         rows = torch.tensor(sampling, device=self.device)[:, None]
         confidence = torch.where(rows, probs.amax(dim=-1), confidence)
         return ids, full, confidence
 
-    def _seeded_choice(self, requests, probs, first_positions):
-        """sampling.seeded_choice for these requests' rows of probs [rows, n, vocab], position first_positions[i] on."""
+    def _seeded_choice(self, requests, probs, positions):
+        """sampling.seeded_choice for these requests' rows of probs [rows, n, vocab] at positions [rows, n]."""
         seeds = torch.tensor([r.params.seed for r in requests], device=self.device)
-        positions = torch.tensor(first_positions, device=self.device)[:, None] + torch.arange(probs.shape[1], device=self.device)
         return seeded_choice(probs, seeds, positions)
+
+    def _positions(self, requests, n):
+        """[batch, n]: the positions of the tokens a block's n first positions predict (after its last token)."""
+        return torch.tensor([r.num_cached + 1 for r in requests], device=self.device)[:, None] + torch.arange(n, device=self.device)
 
     @torch.inference_mode()
     def verify(self, requests: list[Request], draft: DraftBlock):
@@ -648,20 +651,21 @@ class Engine:
             tree=tree,
         )
         num_draft = torch.tensor([b - 1 for b in draft.block_sizes], device=self.device)
+        target_ids = self._target_ids(requests, logits, self._positions(requests, b_max))
         num_accepted, next_ids = self._accept(requests, draft.block_ids[:, 1:], draft.draft_probs, logits, num_draft,
-                                              [r.num_cached + 1 for r in requests])
+                                              target_ids)
         num_accepted, next_ids = num_accepted.tolist(), next_ids.tolist()
         if tree is not None:
-            self._accept_trees(requests, draft, logits, features, num_accepted, next_ids)
+            self._accept_trees(requests, draft, target_ids, features, num_accepted, next_ids)
         return num_accepted, next_ids, features
 
-    def _accept_trees(self, requests, draft: DraftBlock, logits, features, num_accepted, next_ids):
+    def _accept_trees(self, requests, draft: DraftBlock, target_ids, features, num_accepted, next_ids):
         """Greedy acceptance of the tree rows, in place: the accepted path's keys and values move to the
         positions after the root in the target cache, and its features to the first rows of `features`
         [batch, b_max, n * hidden], so that commit keeps them as it keeps a chain's.
         logits [batch, b_max, vocab]"""
         rows = [i for i, t in enumerate(draft.trees) if t is not None]
-        predicted = logits.argmax(dim=-1)[rows].tolist()  # no copy of the rows' logits
+        predicted = target_ids[rows].tolist()
         block_ids = draft.block_ids[rows].tolist()
         for i, pred, ids in zip(rows, predicted, block_ids):
             path = walk(draft.trees[i].parents, ids, pred)
@@ -702,27 +706,30 @@ class Engine:
         top_p = torch.tensor([float(r.params.top_p) for r in requests])
         return sampling_probs(logits, temperature, top_k, top_p)
 
-    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, first_positions):
-        """Greedy rows by exact match against the argmax, seeded rows by exact match against their seeded
-        samples, other sampling rows by rejection sampling -> (num_accepted, next_ids).
+    def _target_ids(self, requests, logits, positions):
+        """[batch, b] the target's own token after each column of an exact-match row: its argmax, or for a
+        seeded row its seed's choice for the token at positions [batch, b] (sampling.seeded_choice)."""
+        ids = logits.argmax(dim=-1)
+        seeded = [i for i, r in enumerate(requests) if r.params.seeded]
+        if seeded:
+            index, sub = torch.tensor(seeded, device=self.device), [requests[i] for i in seeded]
+            ids[index] = self._seeded_choice(sub, self._probs(sub, logits[index]), positions[index])
+        return ids
 
-        draft_ids [batch, b - 1]; draft_probs [batch, b - 1, vocab] or None; logits [batch, b, vocab];
-        first_positions [batch]: the position of the token logits[:, 0] predicts
+    def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, target_ids):
+        """Greedy and seeded rows by exact match against target_ids [batch, b] (see _target_ids), other
+        sampling rows by rejection sampling -> (num_accepted, next_ids).
+
+        draft_ids [batch, b - 1]; draft_probs [batch, b - 1, vocab] or None; logits [batch, b, vocab]
         """
-        num_accepted, next_ids = verify_greedy(draft_ids, logits, num_draft)
-        for seeded in (True, False):
-            rows = [i for i, r in enumerate(requests) if r.params.temperature > 0 and r.params.seeded == seeded]
-            if not rows:
-                continue
+        num_accepted, next_ids = verify_exact(draft_ids, target_ids, num_draft)
+        rows = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not r.params.seeded]
+        if rows:
             sub = [requests[i] for i in rows]
             index = torch.tensor(rows, device=self.device)
             target_probs = self._probs(sub, logits[index])
-            if seeded:
-                chosen = self._seeded_choice(sub, target_probs, [first_positions[i] for i in rows])
-                acc, nxt = verify_exact(draft_ids[index], chosen, num_draft[index])
-            else:
-                q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
-                acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index])
+            q = draft_probs[index] if draft_probs is not None else target_probs[:, :0]
+            acc, nxt = verify_rejection(draft_ids[index], q, target_probs, num_draft[index])
             num_accepted, next_ids = num_accepted.index_copy(0, index, acc), next_ids.index_copy(0, index, nxt)
         return num_accepted, next_ids
 
@@ -730,7 +737,8 @@ class Engine:
         """The next token, at positions [batch], from [batch, 1, vocab] logits: argmax or a sample, per request."""
         empty = torch.zeros(len(requests), 0, dtype=torch.long, device=logits.device)
         num_draft = torch.zeros(len(requests), dtype=torch.long, device=logits.device)
-        return self._accept(requests, empty, None, logits, num_draft, positions)[1][:, 0].tolist()
+        target_ids = self._target_ids(requests, logits, torch.tensor(positions, device=logits.device)[:, None])
+        return self._accept(requests, empty, None, logits, num_draft, target_ids)[1][:, 0].tolist()
 
     # ---- convenience drivers -------------------------------------------------------------
 
