@@ -617,20 +617,15 @@ class Engine:
         if not any(sampling):
             return head.ids(greedy), None, confidence
         probs = self._probs(requests, scores)  # the reduced head's -inf elsewhere: zero there
-        full = head.to_vocab(probs, self.target.config.vocab_size)
-        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], head.ids(sample(probs)), head.ids(greedy))
+        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], sample(probs), greedy)
         seeded = [i for i, r in enumerate(requests) if r.params.seeded]
-        if seeded:
+        if seeded:  # over the head's columns, with the noise of the tokens they stand for
             index = torch.tensor(seeded, device=self.device)
-            ids[index] = self._seeded_choice([requests[i] for i in seeded], full[index], positions[index])
+            seeds = torch.tensor([requests[i].params.seed for i in seeded], device=self.device)
+            ids[index] = seeded_choice(probs[index], seeds, positions[index], token_ids=head.draft_vocab)
         rows = torch.tensor(sampling, device=self.device)[:, None]
         confidence = torch.where(rows, probs.amax(dim=-1), confidence)
-        return ids, full, confidence
-
-    def _seeded_choice(self, requests, probs, positions):
-        """sampling.seeded_choice for these requests' rows of probs [rows, n, vocab] at positions [rows, n]."""
-        seeds = torch.tensor([r.params.seed for r in requests], device=self.device)
-        return seeded_choice(probs, seeds, positions)
+        return head.ids(ids), head.to_vocab(probs, self.target.config.vocab_size), confidence
 
     def _positions(self, requests, n):
         """[batch, n]: the positions of the tokens a block's n first positions predict (after its last token)."""
@@ -713,7 +708,8 @@ class Engine:
         seeded = [i for i, r in enumerate(requests) if r.params.seeded]
         if seeded:
             index, sub = torch.tensor(seeded, device=self.device), [requests[i] for i in seeded]
-            ids[index] = self._seeded_choice(sub, self._probs(sub, logits[index]), positions[index])
+            seeds = torch.tensor([r.params.seed for r in sub], device=self.device)
+            ids[index] = seeded_choice(self._probs(sub, logits[index]), seeds, positions[index])
         return ids
 
     def _accept(self, requests, draft_ids, draft_probs, logits, num_draft, target_ids):

@@ -169,7 +169,7 @@ def hashed_uniform(seeds, positions, ids):
     return (_shr(bits, 11).double() + 0.5) / float(1 << 53)
 
 
-def seeded_choice(probs, seeds, positions, candidates: int = TOP_P_CANDIDATES):
+def seeded_choice(probs, seeds, positions, candidates: int = TOP_P_CANDIDATES, token_ids=None):
     """A sample of each position's distribution decided by its request's seed and its position alone.
 
     probs [B, n, V] (each row summing to ~1), seeds [B] long, positions [B, n] long (the position of the
@@ -180,10 +180,12 @@ def seeded_choice(probs, seeds, positions, candidates: int = TOP_P_CANDIDATES):
       which picks each with probability p / mass; among the others, the inverse CDF at u's rescaled value.
     Gumbel noise by token id couples two distributions: a drafter that draws its q with the same seed and
     position picks the target's token whenever argmax(log q + g) = argmax(log p + g), which is likely when
-    q is close to p; and the target's token never depends on what was drafted (docs/design.md)."""
+    q is close to p; and the target's token never depends on what was drafted (docs/design.md).
+    token_ids [V] long: the token id of each column of probs, when they are a subset of the vocabulary
+    (a reduced draft head's); the noise is the token's, the result a column index."""
     probs = probs.float()
     top, ids = probs.topk(min(candidates, probs.shape[-1]), dim=-1)  # [B, n, m], descending
-    gumbel = -torch.log(-torch.log(hashed_uniform(seeds, positions, ids)))
+    gumbel = -torch.log(-torch.log(hashed_uniform(seeds, positions, ids if token_ids is None else token_ids[ids])))
     scores = torch.where(top > 0, top.double().log() + gumbel, -torch.inf)
     choice = ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
     wider = (top[..., -1] > 0) & (top.shape[-1] < probs.shape[-1])  # mass may lie past the candidates

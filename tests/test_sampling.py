@@ -382,6 +382,18 @@ def test_seeded_choice_is_a_function_of_seed_position_and_distribution():
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[:, 0], u[:, 1])
 
 
+def test_seeded_choice_over_a_subset_of_the_vocabulary_draws_the_same_tokens():
+    """A reduced draft head's columns (token_ids) take the noise of the tokens they stand for: the choice
+    equals the full vocabulary's where the rest has no mass."""
+    torch.manual_seed(3)
+    subset = torch.tensor([2, 5, 9, 11, 17, 30, 31, 40])
+    full = torch.zeros(64, 2, 50).index_copy_(-1, subset, torch.softmax(torch.randn(64, 2, 8) * 2, -1))
+    seeds, positions = torch.arange(64), torch.tensor([[3, 4]]).expand(64, 2)
+    for candidates in (3, 256):
+        on_subset = seeded_choice(full[..., subset], seeds, positions, candidates, token_ids=subset)
+        assert torch.equal(subset[on_subset], seeded_choice(full, seeds, positions, candidates))
+
+
 def test_verify_exact_accepts_the_prefix_equal_to_the_targets_tokens():
     drafts = torch.tensor([[3, 4, 5], [3, 9, 5], [1, 1, 1]])
     target_ids = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [2, 2, 2, 2]])
