@@ -617,13 +617,13 @@ class Engine:
         if not any(sampling):
             return head.ids(greedy), None, confidence
         probs = self._probs(requests, scores)  # the reduced head's -inf elsewhere: zero there
-        ids = torch.where(torch.tensor(sampling, device=self.device)[:, None], sample(probs), greedy)
+        rows = torch.tensor(sampling, device=self.device)[:, None]
+        ids = torch.where(rows, sample(probs), greedy)
         seeded = [i for i, r in enumerate(requests) if r.params.seeded]
         if seeded:  # over the head's columns, with the noise of the tokens they stand for
             index = torch.tensor(seeded, device=self.device)
             seeds = torch.tensor([requests[i].params.seed for i in seeded], device=self.device)
             ids[index] = seeded_choice(probs[index], seeds, positions[index], token_ids=head.draft_vocab)
-        rows = torch.tensor(sampling, device=self.device)[:, None]
         confidence = torch.where(rows, probs.amax(dim=-1), confidence)
         return head.ids(ids), head.to_vocab(probs, self.target.config.vocab_size), confidence
 
@@ -658,7 +658,7 @@ class Engine:
         """Greedy acceptance of the tree rows, in place: the accepted path's keys and values move to the
         positions after the root in the target cache, and its features to the first rows of `features`
         [batch, b_max, n * hidden], so that commit keeps them as it keeps a chain's.
-        logits [batch, b_max, vocab]"""
+        target_ids [batch, b_max]: the target's token after each column (_target_ids)"""
         rows = [i for i, t in enumerate(draft.trees) if t is not None]
         predicted = target_ids[rows].tolist()
         block_ids = draft.block_ids[rows].tolist()

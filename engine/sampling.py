@@ -3,10 +3,10 @@ verification of drafted blocks (greedy, and speculative rejection sampling, Levi
 arXiv 2211.17192). Pure batched tensor functions; knows nothing about models or caches.
 
 Shapes: B = batch rows, n = positions, K = drafts per row (block - 1), V = vocab.
-Randomness comes only from the per-row generators passed in (None -> global RNG). A row's draws
-depend only on its own generator and the padded width K, so a seeded request is reproducible
-whatever shares its batch, as long as the block padding width is fixed (e.g. the model block size).
-Generators must live on the device of the tensors.
+Seeded requests draw nothing from a random stream: seeded_choice makes each token a function of
+(seed, position, distribution), hashed. Elsewhere randomness comes from the per-row generators passed
+in (None -> the global RNG; the engine passes None); a row's draws then depend only on its own
+generator and the padded width K. Generators must live on the device of the tensors.
 """
 from __future__ import annotations
 
