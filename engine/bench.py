@@ -70,8 +70,25 @@ def load_prompts(cfg: BenchConfig) -> list[Prompt]:
 @dataclass
 class Generation:
     output_ids: list[int]
+    ttft: float  # seconds from the call to its first token (prefill)
     acceptance_lengths: list[int] | None = None  # tokens committed per speculative step
     stats: SpecStats | None = None
+
+
+class FirstTokenTimer:
+    """A transformers streamer that notes when generate() produces its first token (its first put()
+    is the prompt)."""
+
+    def __init__(self):
+        self.start, self.puts, self.ttft = time.perf_counter(), 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.ttft = time.perf_counter() - self.start
+
+    def end(self):
+        pass
 
 
 Method = Callable[[list[int], SamplingParams], Generation]
@@ -85,12 +102,12 @@ def hf_method(model, stops, lookup: bool) -> Method:
         if p.seed is not None:
             torch.manual_seed(p.seed)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k} if p.temperature > 0 else {}
-        input_ids = torch.tensor([ids], device=model.device)
+        input_ids, timer = torch.tensor([ids], device=model.device), FirstTokenTimer()
         out = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=p.max_tokens,
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=p.max_tokens, streamer=timer,
             do_sample=p.temperature > 0, eos_token_id=list(stops) or None, pad_token_id=(stops or [None])[0], **sampling, **extra,
         )
-        return Generation(out[0, len(ids):].tolist())
+        return Generation(out[0, len(ids):].tolist(), timer.ttft)
 
     return generate
 
@@ -109,7 +126,7 @@ def zlab_method(draft_model, model, stops, block_size) -> Method:
             draft_model, model, torch.tensor([ids], device=model.device), p.max_tokens, list(stops),
             p.temperature, p.top_p, p.top_k, block_size, return_stats=True,
         )
-        return Generation(out.output_ids[0, len(ids):].tolist(), list(out.acceptance_lengths))
+        return Generation(out.output_ids[0, len(ids):].tolist(), out.time_to_first_token, list(out.acceptance_lengths))
 
     return generate
 
@@ -126,9 +143,17 @@ def fresh_state(engine: Engine):
 def engine_method(engine: Engine, block_size: int | None) -> Method:
     def generate(ids, p):
         fresh_state(engine)
-        r = engine.generate_batch([ids], replace(p, block_size=block_size))[0]
+        start, ttft = time.perf_counter(), None
+        r = engine.add_request(ids, replace(p, block_size=block_size))
+        try:
+            while not r.finished:
+                engine.step()
+                if ttft is None and r.output_ids:
+                    ttft = time.perf_counter() - start
+        finally:
+            engine.abort(r.request_id)
         spec = engine.drafter is not None or engine.suffix is not None
-        return Generation(r.output_ids, r.acceptance_lengths if spec else None, r.stats if spec else None)
+        return Generation(r.output_ids, ttft, r.acceptance_lengths if spec else None, r.stats if spec else None)
 
     return generate
 
@@ -257,6 +282,9 @@ def record(index, ids, result: Generation, seconds, tokenizer) -> dict:
         "output_tokens": n,
         "seconds": seconds,
         "tokens_per_s": n / seconds,
+        "ttft_s": result.ttft,
+        # TPOT's inverse (tokens after the first over the time after it): the decoding speed without prefill
+        "decode_tokens_per_s": (n - 1) / (seconds - result.ttft) if n > 1 and seconds > result.ttft else None,
         "tau": mean_or_none(acc),
         "acceptance_lengths": acc,
         "matches_target": None,  # filled in by compare() for greedy runs with an hf baseline
@@ -309,6 +337,11 @@ def mean_or_none(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def median_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
 def until_stop(ids, stops) -> list[int]:
     """Tokens before the first stop token."""
     for j, t in enumerate(ids):
@@ -333,8 +366,11 @@ def summarize(recs: list[dict], base: list[dict] | None, greedy: bool, stops) ->
         "seconds": seconds,
         "tokens_per_s": tps,
         "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
+        "median_ttft_s": statistics.median(r["ttft_s"] for r in recs),
+        "median_decode_tokens_per_s": median_or_none([r["decode_tokens_per_s"] for r in recs]),
         "speedup": None,
         "median_speedup": None,
+        "median_decode_speedup": None,
         "tau": mean_or_none(acc) if recs[0]["acceptance_lengths"] is not None else None,
         "matches_target": None,
         "match_rate": None,
@@ -344,6 +380,7 @@ def summarize(recs: list[dict], base: list[dict] | None, greedy: bool, stops) ->
         base_tps = sum(r["output_tokens"] for r in base) / sum(r["seconds"] for r in base)
         summary["speedup"] = tps / base_tps
         summary["median_speedup"] = paired_ratio(recs, base)
+        summary["median_decode_speedup"] = median_or_none(prompt_ratios(recs, base, "decode_tokens_per_s"))
         if greedy:
             summary.update(compare(recs, base, stops))
     return dict(summary, prompts=recs)
@@ -358,14 +395,20 @@ def compare(recs: list[dict], base: list[dict], stops) -> dict:
     return {"matches_target": all(same), "match_rate": sum(same) / len(same), "first_divergence": div}
 
 
-def prompt_ratios(a: list[dict], b: list[dict]) -> list[float]:
-    """a's tokens/s over b's, prompt by prompt (each prompt measured side by side)."""
-    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+def prompt_ratios(a: list[dict], b: list[dict], key: str = "tokens_per_s") -> list[float]:
+    """a's tokens/s over b's, prompt by prompt (each prompt measured side by side); with key
+    "decode_tokens_per_s" over the prompts where both decoded more than their first token."""
+    return [x[key] / y[key] for x, y in zip(a, b) if x[key] is not None and y[key] is not None]
 
 
 def paired_ratio(a: list[dict], b: list[dict]) -> float:
     """Median over prompts of a's tokens/s over b's."""
     return statistics.median(prompt_ratios(a, b))
+
+
+def ratio_summary(ratios: list[float]) -> str:
+    ci = geomean_interval(ratios)
+    return f"{statistics.median(ratios):.2f}x (geometric mean {ci['geomean']:.2f}x, 95% {ci['low']:.2f}-{ci['high']:.2f})"
 
 
 def key_ratios(methods: dict, batch: dict | None) -> list[str]:
@@ -378,10 +421,8 @@ def key_ratios(methods: dict, batch: dict | None) -> list[str]:
              ("dflash-adaptive", "dflash-chain"))
     for a, b in pairs:
         if a in p and b in p:
-            ratios = prompt_ratios(p[a], p[b])
-            ci = geomean_interval(ratios)
-            out.append(f"{a}/{b} {statistics.median(ratios):.2f}x "
-                       f"(geometric mean {ci['geomean']:.2f}x, 95% {ci['low']:.2f}-{ci['high']:.2f})")
+            ratios, decode = prompt_ratios(p[a], p[b]), prompt_ratios(p[a], p[b], "decode_tokens_per_s")
+            out.append(f"{a}/{b} {ratio_summary(ratios)}" + (f"; decoding alone {ratio_summary(decode)}" if decode else ""))
     fixed = [n for n in p if n == "dflash" or n.startswith("dflash-b")]
     if "dflash-adaptive" in p and fixed:
         best = max(fixed, key=lambda n: methods[n]["tokens_per_s"])
@@ -400,15 +441,17 @@ def fmt(x, spec=".2f", none="-"):
 
 
 def table(methods: dict, batch: dict | None) -> str:
-    rows = [("method", "tok/s", "median tok/s", "speedup", "median speedup", "tau", "match")]
+    rows = [("method", "tok/s", "median tok/s", "speedup", "median speedup", "TTFT ms", "decode tok/s",
+             "decode speedup", "tau", "match")]
     for name, m in methods.items():
         match = "-" if m["match_rate"] is None else f"{m['match_rate'] * len(m['prompts']):.0f}/{len(m['prompts'])}"
         rows.append((name, fmt(m["tokens_per_s"], ".1f"), fmt(m["median_tokens_per_s"], ".1f"), fmt(m["speedup"]),
-                     fmt(m["median_speedup"]), fmt(m["tau"]), match))
+                     fmt(m["median_speedup"]), fmt(m["median_ttft_s"] * 1000, ".0f"),
+                     fmt(m["median_decode_tokens_per_s"], ".1f"), fmt(m["median_decode_speedup"]), fmt(m["tau"]), match))
     if batch:
         for name, b in batch["methods"].items():
-            rows.append((f"{name} x{batch['batch_size']}", fmt(b["aggregate_tokens_per_s"], ".1f"), "", "", "",
-                         fmt(b["tau"]), f"vs single {b['ratio']:.2f}x"))
+            rows.append((f"{name} x{batch['batch_size']}", fmt(b["aggregate_tokens_per_s"], ".1f"), "", "", "", "", "",
+                         "", fmt(b["tau"]), f"vs single {b['ratio']:.2f}x"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 

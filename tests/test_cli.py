@@ -189,7 +189,7 @@ def test_bench_json_plot_and_exactness(tmp_path):
         "--max-new-tokens", "16", "--dtype", "float32", "--draft", "random", "--json", str(out), "--plot", str(png),
     )
     assert result.returncode == 0, result.stderr
-    assert "key ratios" in result.stdout and "dflash/zlab" in result.stdout
+    assert "key ratios" in result.stdout and "dflash/zlab" in result.stdout and "decoding alone" in result.stdout
     report = json.loads(out.read_text())
     assert report["config"]["max_new_tokens"] == 16 and report["config"]["machine"]["torch"]
     methods = report["methods"]
@@ -200,7 +200,11 @@ def test_bench_json_plot_and_exactness(tmp_path):
         assert m["tokens_per_s"] > 0 and len(m["prompts"]) == 2
         assert m["matches_target"] is True, (name, m["first_divergence"])  # float32 greedy: exact
         assert m["first_divergence"] == [None, None]
-    assert methods["hf"]["speedup"] == 1 and methods["hf"]["tau"] is None and methods["ar"]["tau"] is None
+        for r in m["prompts"]:  # prefill, then the tokens after the first at their own pace
+            assert 0 < r["ttft_s"] < r["seconds"], (name, r["ttft_s"], r["seconds"])
+            assert r["decode_tokens_per_s"] == pytest.approx((r["output_tokens"] - 1) / (r["seconds"] - r["ttft_s"]))
+        assert m["median_ttft_s"] > 0 and m["median_decode_tokens_per_s"] > 0
+    assert methods["hf"]["speedup"] == 1 and methods["hf"]["median_decode_speedup"] == 1 and methods["hf"]["tau"] is None and methods["ar"]["tau"] is None
     assert methods["dflash"]["tau"] >= 1 and methods["zlab"]["tau"] >= 1
     for ours, ref in zip(methods["dflash"]["prompts"], methods["zlab"]["prompts"]):
         assert ours["acceptance_lengths"] == ref["acceptance_lengths"]
