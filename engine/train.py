@@ -281,12 +281,12 @@ def matched_drafts(drafter, embed, head, s: Sequence, anchors: torch.Tensor, cfg
 @torch.no_grad()
 def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_ids=None, stride=16, max_blocks=2048):
     """Held-out greedy acceptance: per block, the run of leading drafts equal to the target's
-    tokens. Returns tau (= 1 + mean accepted) and per-position acceptance with the FULL head,
-    and tau when the drafter may only propose `vocab_ids` (a reduced head), if given."""
+    tokens. Returns tau (= 1 + mean accepted), its interval and per-position acceptance with the FULL
+    head, and the same with a `_reduced_head` suffix when the drafter may only propose `vocab_ids`, if given."""
     drafter.eval()
     b = cfg.block_size
     device = head.device
-    accepted, accepted_reduced, reached = [], [], torch.zeros(b - 1, device=device)
+    accepted, accepted_reduced, reached, reached_reduced = [], [], torch.zeros(b - 1, device=device), 0
     blocks = 0
     for s in data.sequences:
         a = eval_anchors(s, b, stride)
@@ -297,6 +297,7 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_
         reached += ok.sum(0)
         if vocab_ids is not None:
             accepted_reduced.append(ok_reduced.sum(-1))
+            reached_reduced = reached_reduced + ok_reduced.sum(0)
         blocks += len(a)
         if blocks >= max_blocks:
             break
@@ -305,6 +306,8 @@ def evaluate(drafter, embed, head, data: DrafterData, cfg, feature_scale, vocab_
               "tau_ci": reply_bootstrap([a.cpu() for a in accepted])}
     if vocab_ids is not None:
         result["tau_reduced_head"] = 1 + torch.cat(accepted_reduced).float().mean().item()
+        result["acceptance_per_pos_reduced_head"] = (reached_reduced / blocks).cpu().tolist()
+        result["tau_ci_reduced_head"] = reply_bootstrap([a.cpu() for a in accepted_reduced])
     return result
 
 

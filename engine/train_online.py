@@ -51,6 +51,9 @@ class OnlineConfig:
     weight_decay: float = 0.01
     clip: float = 1.0
     loss_rows: int = 16384  # block positions per chunk of the loss (bounds the logits' memory)
+    # the head scores the N tokens the training replies use most (0: the whole vocabulary): the loss costs
+    # N/V of the whole head's, and the engine drafts from those N (draft_vocab.json beside the drafter)
+    draft_vocab: int = 8192
     prompt_limit: int | None = None  # use the first N prompts of the (shuffled) list only
     held_out_limit: int | None = None  # score on the first N held-out prompts only (None: all)
     eval_every_s: float = 60.0
@@ -237,6 +240,17 @@ def make_drafter(cfg: OnlineConfig, target_config) -> Drafter:
     return Drafter(dc)
 
 
+def draft_vocabulary(drafter, counts: torch.Tensor, size: int) -> torch.Tensor | None:
+    """The token ids the drafter's head is trained over and drafts from: an --init drafter's own draft
+    vocabulary if it has one, else the `size` most frequent reply tokens (`counts` per token id), else
+    (size 0) none: the whole vocabulary."""
+    if getattr(drafter, "draft_vocab", None) is not None:
+        return drafter.draft_vocab.cpu()
+    if not size:
+        return None
+    return counts.argsort(descending=True)[:size].sort().values
+
+
 def lr_scale(cfg: OnlineConfig, step: int, progress: float) -> float:
     """Linear warm-up over the first warmup_steps, then cosine decay to 10% of the peak over the time
     left (progress in [0, 1] is the share of the training time spent)."""
@@ -290,6 +304,13 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     counts = torch.bincount(torch.tensor([t for r in replies for t in r.tokens[r.prompt_len:]], dtype=torch.long),
                             minlength=target.config.vocab_size)
     (out / "frequent_tokens.json").write_text(json.dumps(counts.argsort(descending=True)[:16384].tolist()) + "\n")
+    vocab_ids = draft_vocabulary(drafter, counts, cfg.draft_vocab)
+    vocab_map = None
+    if vocab_ids is not None:
+        vocab_ids = vocab_ids.to(device)
+        vocab_map = torch.full((target.config.vocab_size,), -100, dtype=torch.long, device=device)
+        vocab_map[vocab_ids] = torch.arange(len(vocab_ids), device=device)
+        log({"draft_vocab": len(vocab_ids), "reply_tokens_covered": counts[vocab_ids.cpu()].sum().item() / counts.sum().item()})
 
     cache = target.new_cache(max(cfg.seqs_per_step, 32), cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
     held = {}
@@ -301,6 +322,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
         held[kind] = Held(seqs)
     embed = target.embed_tokens.weight.detach()
     head = target.lm_head.weight.detach()
+    train_head = head if vocab_ids is None else head[vocab_ids]
     weights = position_weights(cfg.block_size).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -312,13 +334,15 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     def run_eval(step):
         entry = {"eval": True, "step": step, "seconds": budget.elapsed}
         for kind, data in held.items():
-            if data.sequences:
-                result = evaluate(drafter, embed, head, data, cfg, None)
-                entry[kind] = {"tau": result["tau"], "tau_ci": result["tau_ci"],
-                               "acceptance_per_pos": result["acceptance_per_pos"]}
+            if data.sequences:  # as the engine drafts: from the draft vocabulary when there is one
+                result = evaluate(drafter, embed, head, data, cfg, None, vocab_ids)
+                suffix = "" if vocab_ids is None else "_reduced_head"
+                entry[kind] = {key: result[key + suffix] for key in ("tau", "tau_ci", "acceptance_per_pos")}
+                if vocab_ids is not None:
+                    entry[kind]["tau_full_head"] = result["tau"]
         evals.append(entry)
         log(entry)
-        save_drafter(drafter, out / "drafter")  # the latest drafter is on disk whatever happens next
+        save_drafter(drafter, out / "drafter", draft_vocab=vocab_ids)  # the latest drafter is on disk whatever happens next
         if not quiet:
             print(f"step {step}: held-out tau " + ", ".join(f"{k} {entry[k]['tau']:.3f}" for k in held if k in entry), flush=True)
 
@@ -346,7 +370,8 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
                 hidden = train_forward(drafter, embed, batch, None)
             timer.mark("forward")
-            loss, hits, counted = chunked_loss(hidden[:, 1:], head, batch.labels, weights, cfg.loss_rows)
+            labels = batch.labels if vocab_map is None else vocab_map[batch.labels.clamp_min(0)].masked_fill(batch.labels < 0, -100)
+            loss, hits, counted = chunked_loss(hidden[:, 1:], train_head, labels, weights, cfg.loss_rows)
             timer.mark("loss")
             loss.backward()
             timer.mark("backward")

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -140,9 +141,28 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     train = record["phases"]["train"]["result"]
     assert train["replies"] > 0 and train["steps"] > 0 and 1 <= train["final"]["chat"]["tau"] <= 16
     assert (tmp_path / "train" / "drafter" / "model.safetensors").exists()
+    vocab = json.loads((tmp_path / "train" / "drafter" / "draft_vocab.json").read_text())
+    assert len(vocab) == len(set(vocab)) == online_config().draft_vocab  # the engine drafts from these
+    assert 1 <= train["final"]["chat"]["tau_full_head"] <= 16
     assert (tmp_path / "train" / "curves.png").stat().st_size > 0
     costs = record["phases"]["costs"]["result"]["rows"]
     assert set(costs) == {"1", "8", "32"} and all(row["ceiling_vs_ar"] > 0 for row in costs.values())
+
+
+def online_config():
+    from engine.train_online import OnlineConfig
+
+    return OnlineConfig(out="unused")
+
+
+def test_the_draft_vocabulary_is_the_init_drafters_or_the_most_frequent_reply_tokens():
+    from engine.train_online import draft_vocabulary
+
+    counts = torch.tensor([5, 0, 9, 1, 7])
+    plain = types.SimpleNamespace(draft_vocab=None)
+    assert draft_vocabulary(plain, counts, 3).tolist() == [0, 2, 4]  # the 3 most frequent, in id order
+    assert draft_vocabulary(plain, counts, 0) is None  # the whole vocabulary
+    assert draft_vocabulary(types.SimpleNamespace(draft_vocab=torch.tensor([1, 3])), counts, 3).tolist() == [1, 3]
 
 
 def test_a_run_whose_bf16_steps_are_not_finite_goes_on_in_float32(tmp_path, monkeypatch):
