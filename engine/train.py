@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine.drafter import Drafter, DrafterConfig, load_drafter, save_drafter
-from engine.model import apply_rotary, masked_attention
+from engine.model import apply_rotary
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -201,7 +201,7 @@ def train_forward(drafter: Drafter, embed: torch.Tensor, batch: Batch, feature_s
     x = F.embedding(batch.block_ids, embed).reshape(n * b, -1).to(ctx.dtype)
     cos_c, sin_c = drafter.rotary(batch.ctx_pos[None], ctx.dtype)
     cos_b, sin_b = drafter.rotary(batch.block_pos.reshape(1, -1), ctx.dtype)
-    masks = [sequence_mask(batch, i, b) for i in range(len(batch.spans))]
+    masks = [context_mask(batch, i, b) for i in range(len(batch.spans))]
     for layer in drafter.layers:
         att = layer.self_attn
         h = layer.input_layernorm(x)
@@ -213,23 +213,39 @@ def train_forward(drafter: Drafter, embed: torch.Tensor, batch: Batch, feature_s
         k = torch.cat([apply_rotary(k[:, :, : len(ctx)], cos_c, sin_c), apply_rotary(k[:, :, len(ctx):], cos_b, sin_b)], 2)
         outs = []
         for (c_lo, c_hi, b_lo, b_hi), mask in zip(batch.spans, masks):
-            rows = slice(b_lo * b, b_hi * b)
-            keys = torch.cat([k[:, :, c_lo:c_hi], k[:, :, len(ctx) + rows.start: len(ctx) + rows.stop]], 2)
-            values = torch.cat([v[:, :, c_lo:c_hi], v[:, :, len(ctx) + rows.start: len(ctx) + rows.stop]], 2)
-            outs.append(masked_attention(q[:, :, rows], keys, values, mask))
+            rows, own = slice(b_lo * b, b_hi * b), slice(len(ctx) + b_lo * b, len(ctx) + b_hi * b)
+            outs.append(block_attention(q[:, :, rows], k[:, :, c_lo:c_hi], v[:, :, c_lo:c_hi], k[:, :, own], v[:, :, own], mask, b))
         out = torch.cat(outs, 2)[0].transpose(0, 1).reshape(n * b, -1)
         x = x + att.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return drafter.norm(x).view(n, b, -1)
 
 
-def sequence_mask(batch: Batch, i: int, b: int) -> torch.Tensor:
-    """[rows, ctx + rows] bool for sequence i: context strictly before the anchor, own block."""
+def context_mask(batch: Batch, i: int, b: int) -> torch.Tensor:
+    """[rows, ctx] bool for sequence i: which context positions each block row sees (those before its anchor)."""
     c_lo, c_hi, b_lo, b_hi = batch.spans[i]
     anchor = batch.block_pos[b_lo:b_hi, 0].repeat_interleave(b)  # [rows]
-    ctx_ok = batch.ctx_pos[c_lo:c_hi][None] < anchor[:, None]
-    block_of = torch.arange(b_hi - b_lo, device=anchor.device).repeat_interleave(b)
-    return torch.cat([ctx_ok, block_of[:, None] == block_of[None]], 1)
+    return batch.ctx_pos[c_lo:c_hi][None] < anchor[:, None]
+
+
+def block_attention(q, k_ctx, v_ctx, k_own, v_own, ctx_mask, b):
+    """Attention of one sequence's blocks: each row sees the context its mask allows and its own block's b
+    rows (all of them), never another block. q [1, heads, rows, dim]; k_ctx, v_ctx [1, kv_heads, ctx, dim];
+    k_own, v_own [1, kv_heads, rows, dim]; ctx_mask [rows, ctx] bool; rows = blocks * b.
+
+    The same as masked attention over [context, every block] with a block-diagonal mask, without the
+    work on the other blocks' keys, which are most of them (128 blocks of 16 against a few hundred context
+    positions): the scores are two matmuls, one softmax over [context, own block]."""
+    _, heads, rows, dim = q.shape
+    kv_heads, blocks = k_ctx.shape[1], rows // b
+    qg = q.view(1, kv_heads, heads // kv_heads, rows, dim)  # query heads grouped by the KV head they read
+    ctx_scores = (qg @ k_ctx[:, :, None].transpose(-1, -2)).masked_fill(~ctx_mask, float("-inf"))
+    own_scores = qg.view(*qg.shape[:3], blocks, b, dim) @ k_own.view(1, kv_heads, 1, blocks, b, dim).transpose(-1, -2)
+    scores = torch.cat([ctx_scores, own_scores.flatten(3, 4)], -1).float() * dim**-0.5
+    p = scores.softmax(-1).to(v_ctx.dtype)
+    p_ctx, p_own = p.split([k_ctx.shape[2], b], -1)
+    own = p_own.reshape(*qg.shape[:3], blocks, b, b) @ v_own.view(1, kv_heads, 1, blocks, b, dim)
+    return (p_ctx @ v_ctx[:, :, None] + own.flatten(3, 4)).view(1, heads, rows, dim)
 
 
 # ---- loss and metrics ------------------------------------------------------------------------------
