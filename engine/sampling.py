@@ -4,18 +4,14 @@ arXiv 2211.17192). Pure batched tensor functions; knows nothing about models or 
 
 Shapes: B = batch rows, n = positions, K = drafts per row (block - 1), V = vocab.
 Seeded requests draw nothing from a random stream: seeded_choice makes each token a function of
-(seed, position, distribution), hashed. Elsewhere randomness comes from the per-row generators passed
-in (None -> the global RNG; the engine passes None); a row's draws then depend only on its own
-generator and the padded width K. Generators must live on the device of the tensors.
+(seed, position, distribution), hashed. Unseeded sampling (sample, verify_rejection) draws from the
+global RNG.
 """
 from __future__ import annotations
-
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-Generators = Optional[Sequence[Optional[torch.Generator]]]
 _TINY = torch.finfo(torch.float32).tiny
 
 
@@ -107,32 +103,16 @@ def _top_p_keep(probs, top_p):
     return (_keep_top(flat, largest, index, count, cut, top_p[:, 0] < 1) | (top_p >= 1)).view(probs.shape)
 
 
-def _rows(fill: Callable, shape, generators: Generators, device) -> torch.Tensor:
-    """float32 tensor of `shape` ([B, ...]) filled in place by `fill`, row b from generators[b]."""
-    out = torch.empty(shape, device=device, dtype=torch.float32)
-    if generators is None:
-        return fill(out)
-    assert len(generators) == shape[0], "one generator (or None) per row"
-    for row, gen in zip(out, generators):
-        fill(row, generator=gen)
-    return out
-
-
-def uniform_rows(shape, generators: Generators = None, device=None) -> torch.Tensor:
-    """U[0, 1) draws of `shape` = [B, ...]; row b drawn from generators[b]."""
-    return _rows(torch.Tensor.uniform_, shape, generators, device)
-
-
-def sample(probs, generators: Generators = None) -> torch.Tensor:
+def sample(probs) -> torch.Tensor:
     """Sample ids [B, n] (long) from probs [B, n, V] ([B, V] -> [B]).
 
-    Inverse CDF: one U[0, 1) draw per sampled position, from its row's generator, placed on the running
+    Inverse CDF: one U[0, 1) draw per sampled position, placed on the running
     sum of the probabilities (searchsorted): id i is picked with probability p_i, a zero-probability id
     never (its interval is empty). One draw per position, not one per vocabulary entry as an exponential
     race takes: on a CPU those cost ~1 ms per row of 49,152 ids (docs/design.md).
     """
     cdf = probs.float().cumsum(-1)
-    u = _rows(torch.Tensor.uniform_, (*probs.shape[:-1], 1), generators, probs.device)
+    u = torch.rand((*probs.shape[:-1], 1), device=probs.device)
     ids = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
     return ids.squeeze(-1).clamp_max(probs.shape[-1] - 1)
 
@@ -238,14 +218,13 @@ def verify_greedy(draft_ids, target_logits, num_draft):
     return verify_exact(draft_ids, target_logits.argmax(-1), num_draft)
 
 
-def verify_rejection(draft_ids, draft_probs, target_probs, num_draft, generators: Generators = None):
+def verify_rejection(draft_ids, draft_probs, target_probs, num_draft):
     """Speculative rejection sampling: the emitted tokens are distributed exactly as under p.
 
     draft_ids:    [B, K] long, draft i was sampled from draft_probs[:, i]
     draft_probs:  [B, K, V] q, the exact (post temperature/top-k/top-p) draft distributions
     target_probs: [B, K+1, V] p, target distributions (same processing); position i predicts i+1
     num_draft:    [B] long, valid drafts per row; padding past it is never accepted
-    generators:   per-row generators (None -> global RNG); row b draws K uniforms then V noise
     Draft i is accepted w.p. min(1, p_i(y)/q_i(y)); at the first rejection a the token is drawn from
     normalize(max(0, p_a - q_a)) (p_a if that is all zero); if all num_draft drafts are accepted
     the bonus is drawn from p at position num_draft. Returns (num_accepted [B], next_ids [B, K+1])
@@ -256,7 +235,7 @@ def verify_rejection(draft_ids, draft_probs, target_probs, num_draft, generators
     y = draft_ids.unsqueeze(-1)
     p_y = target_probs[:, :k].gather(-1, y).squeeze(-1)                           # [B, K]
     q_y = draft_probs.gather(-1, y).squeeze(-1)                                   # [B, K]
-    u = uniform_rows((batch, k), generators, draft_ids.device)                    # [B, K]
+    u = torch.rand((batch, k), device=draft_ids.device)                          # [B, K]
     num_accepted = _accepted_prefix(u * q_y < p_y, num_draft)                     # [B]
 
     # distribution of the token at position num_accepted: residual after a rejection, else p
@@ -266,7 +245,7 @@ def verify_rejection(draft_ids, draft_probs, target_probs, num_draft, generators
     residual = (p_a - q_a * rejected).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(_TINY), p_a)
-    bonus = sample(residual, generators)                                          # [B]
+    bonus = sample(residual)                                                      # [B]
 
     next_ids = F.pad(draft_ids, (0, 1)).scatter(1, num_accepted[:, None], bonus[:, None])
     return num_accepted, _zero_tail(next_ids, num_accepted)
