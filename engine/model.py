@@ -337,7 +337,8 @@ class TargetModel(CachedModel):
         c = self.config
         return KVCache(len(self.layers), num_slots, max_len, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
-    def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None):
+    def forward(self, input_ids, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None,
+                capturable=False):
         """Run new tokens of a batch of requests through the (whole) model, writing their keys/values.
 
         input_ids    [batch, q] long
@@ -348,13 +349,17 @@ class TargetModel(CachedModel):
         logits_index [batch, k] long or None: which of the q positions need logits
         tree         an engine.tree.TokenTree when some rows' blocks are token trees: each position is
                      written at its own cache column but rotated by its depth and sees only its ancestors
+        capturable   no host synchronisation and no copy from the host (a CUDA graph can record the call):
+                     `slots` is cache.batch_index's pair, padded rows stay in the linear layers and
+                     attention is always masked
         returns logits [batch, k or q, vocab] (float32), features [batch, q, n * hidden] or None
         """
         logits, features = self.forward_shard(input_ids, positions, cache, slots, kv_len, feature_layers, logits_index,
-                                              tree)
+                                              tree, capturable)
         return logits, ordered_features(features, feature_layers)
 
-    def forward_shard(self, inputs, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None):
+    def forward_shard(self, inputs, positions, cache, slots, kv_len, feature_layers=(), logits_index=None, tree=None,
+                      capturable=False):
         """This model's part of forward when it is a pipeline shard (arguments as in forward).
 
         inputs       token ids [batch, q] on the first shard, else the previous shard's hidden states [batch, q, hidden]
@@ -362,16 +367,17 @@ class TargetModel(CachedModel):
         and {layer id: output [batch, q, hidden]} for the feature_layers among its layers
         """
         x = inputs if self.embed_tokens is None else self.embed_tokens(inputs)
-        ragged = Ragged.of(positions)
+        ragged = None if capturable else Ragged.of(positions)
         rope_pos = positions.clamp_min(0) if tree is None else tree.rope_positions(positions)
         write_pos = torch.where(positions >= 0, positions, cache.max_len)
         cos, sin = self.rotary(rope_pos, x.dtype)
-        slots = cache.batch_index(slots)
+        slots = slots if capturable else cache.batch_index(slots)
         key_pos = torch.arange(kv_len, device=x.device)
         if tree is not None:
             mask = tree.attention_mask(positions, kv_len)
         else:
-            mask = None if is_prefix_prefill(positions, kv_len) else (key_pos <= rope_pos[..., None])[:, None]
+            causal = not capturable and is_prefix_prefill(positions, kv_len)
+            mask = None if causal else (key_pos <= rope_pos[..., None])[:, None]
         unpack = (lambda t: t) if ragged is None else ragged.unpack
         x = x if ragged is None else ragged.pack(x)  # [n, hidden]: real rows only
         features = {}

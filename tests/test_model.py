@@ -323,6 +323,43 @@ def test_ragged_batch_equals_padded_batch(pair, monkeypatch):
     assert model_module.Ragged.of(torch.arange(16).view(2, 8)) is None
 
 
+def test_capturable_forward_equals_the_plain_one(pair):
+    """The forward a CUDA graph can record (no host sync, slots given as index tensors, padding kept in
+    the linear layers, masked attention) gives the plain forward's logits, features and cache: a prefill,
+    then a padded verify step, then a one-token step."""
+    hf, model = pair
+    layers = (0, model.config.num_layers - 1)
+    prompts = [tokens(n, 30 + n) for n in (9, 5, 12)]
+    blocks = [tokens(n, 40 + n) for n in (4, 1, 2)]
+    nexts = [tokens(1, 50 + n) for n in range(3)]
+    runs = []
+    for capturable in (False, True):
+        cache = model.new_cache(4, 64)
+        slots = [cache.allocate() for _ in range(3)][::-1]  # not consecutive from 0: an index tensor, not a slice
+        index = cache.batch_index(slots) if capturable else slots
+        out = []
+        for rows, starts in ((prompts, [0] * 3), (blocks, [len(p) for p in prompts]),
+                             (nexts, [len(p) + len(b) for p, b in zip(prompts, blocks)])):
+            q = max(len(r) for r in rows)
+            ids = torch.zeros(3, q, dtype=torch.long)
+            positions = torch.full((3, q), -1, dtype=torch.long)
+            for i, (row, start) in enumerate(zip(rows, starts)):
+                ids[i, : len(row)], positions[i, : len(row)] = row, torch.arange(start, start + len(row))
+            with torch.no_grad():
+                out.append(model(ids, positions, cache, index, int(positions.max()) + 1, layers, capturable=capturable))
+        runs.append((out, cache))
+    (plain, plain_cache), (captured, captured_cache) = runs
+    tol = 1e-5 if model.dtype == torch.float32 else 0.02
+    for (logits, features), (ref_logits, ref_features), rows in zip(captured, plain, (prompts, blocks, nexts)):
+        for i, row in enumerate(rows):
+            n = len(row)
+            torch.testing.assert_close(logits[i, :n], ref_logits[i, :n], atol=tol * 10, rtol=tol)
+            torch.testing.assert_close(features[i, :n], ref_features[i, :n], atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(captured_cache.k[:, :, :, :-1], plain_cache.k[:, :, :, :-1], atol=tol * 10, rtol=tol)
+    full = torch.cat([prompts[0], blocks[0], nexts[0]])
+    assert_logits_match(captured[2][0][0, :1], hf_logits(hf, full)[-1:], model.dtype)
+
+
 @pytest.mark.parametrize("batch, heads, kv_heads, q_len, kv_len", [(4, 9, 3, 1, 50), (2, 9, 3, 16, 70), (3, 4, 4, 5, 20)])
 def test_grouped_attention_equals_sdpa_with_grouped_queries(batch, heads, kv_heads, q_len, kv_len):
     """The GPU's masked grouped-query attention (query heads of a KV head as more query rows) is SDPA's own

@@ -147,6 +147,7 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     assert (tmp_path / "train" / "curves.png").stat().st_size > 0
     costs = record["phases"]["costs"]["result"]["rows"]
     assert set(costs) == {"1", "8", "32"} and all(row["ceiling_vs_ar"] > 0 for row in costs.values())
+    assert all(row["ar_graph"] > 0 and row["verify_graph"] > 0 for row in costs.values())
 
 
 def online_config():
