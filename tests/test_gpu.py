@@ -53,6 +53,36 @@ def test_dflash_equals_greedy_batched_on_cuda(loaded):
     assert engine.target_cache.num_used == 0
 
 
+def test_graphed_steps_equal_the_eager_ones_on_cuda(loaded):
+    """The capturable forward recorded as a CUDA graph (engine.gpu_run.replayable, what the costs phase
+    times) gives the eager forward's logits for a one-token step and a 16-position verify, replayed twice."""
+    from engine.gpu_run import replayable
+
+    target, device = loaded.target, torch.device("cuda")
+    ids = torch.tensor([chat_ids(loaded.tokenizer, q)[:20] for q in QUESTIONS], device=device)
+    batch, n = ids.shape
+    with torch.inference_mode():
+        cache = target.new_cache(batch, 64)
+        slots = [cache.allocate() for _ in range(batch)]
+        target(ids, torch.arange(n, device=device).expand(batch, -1), cache, slots, n)
+        index = cache.batch_index(slots)
+        for q in (1, 16):
+            step_ids = ids[:, :q].clone()
+            positions = torch.arange(n, n + q, device=device).expand(batch, -1).contiguous()
+            eager, _ = target(step_ids, positions, cache, slots, n + q)
+            out = {}
+
+            def step():
+                out["logits"], _ = target(step_ids, positions, cache, index, n + q, capturable=True)
+
+            replay = replayable(step, device)
+            for _ in range(2):
+                replay()
+                torch.cuda.synchronize()
+                assert (out["logits"] - eager).abs().max() < 1e-3
+                out["logits"].zero_()  # the next replay writes it again
+
+
 def test_seeded_sampling_on_cuda(loaded):
     """A seeded request gets plain decoding's tokens with speculation, alone and in a batch, on CUDA."""
     params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7)
