@@ -39,10 +39,17 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--train-budget", type=float, default=390.0, help="seconds for the whole train phase")
     p.add_argument("--init", default="random", help="random, or a drafter folder to go on training")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's, 6e-4)")
+    p.add_argument("--seqs-per-step", type=int, default=None,
+                   help="sequences a training step takes, 128 blocks each (default: the recipe's, 64)")
     p.add_argument("--target", default=None, help="target folder (default: the default model)")
     p.add_argument("--tiny", action="store_true", help="dry run: a tiny random target, small shapes, short budgets")
     args = p.parse_args(argv)
     args.phases = [x for x in args.phases.split(",") if x]
+    if args.lr is not None and args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.seqs_per_step is not None and args.seqs_per_step < 1:
+        p.error(f"--seqs-per-step must be >= 1, got {args.seqs_per_step}")
     unknown = set(args.phases) - set(PHASES)
     if unknown:
         p.error(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from {', '.join(PHASES)}")
@@ -157,8 +164,11 @@ def phase_train(args, out: Path) -> dict:
         cfg.generate_batch, cfg.seqs_per_step, cfg.anchors, cfg.held_out_limit, cfg.prompt_limit = 16, 4, 16, 8, 64
         cfg.max_new_tokens, cfg.eval_every_s, cfg.reserve_s, cfg.bf16 = 16, 5.0, 3.0, False
         cfg.intermediate_size, cfg.generate_share = 0, 0.3
+    cfg.lr = args.lr or cfg.lr
+    cfg.seqs_per_step = args.seqs_per_step or cfg.seqs_per_step
     summary = train_online(cfg)
-    return {k: summary[k] for k in ("replies", "reply_tokens", "generate_seconds", "train_seconds", "steps", "blocks", "final")}
+    keys = ("replies", "reply_tokens", "generate_seconds", "train_seconds", "steps", "blocks", "final")
+    return {k: summary[k] for k in keys} | {"lr": cfg.lr, "seqs_per_step": cfg.seqs_per_step}
 
 
 # ---- costs -------------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     ends ok, the run trains and saves a drafter, evaluates held-out tau, and times every phase."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     r = subprocess.run(["bash", "scripts/gpu_run.sh", "check,train,costs", "--device", "cpu", "--tiny",
-                        "--train-budget", "25"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                        "--train-budget", "25", "--lr", "1e-3", "--seqs-per-step", "3"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     record = json.loads((tmp_path / "phases.json").read_text())
     assert list(record["phases"]) == ["check", "train", "costs"]
@@ -140,6 +141,7 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     assert record["phases"]["check"]["result"]["bench"]["returncode"] == 0
     train = record["phases"]["train"]["result"]
     assert train["replies"] > 0 and train["steps"] > 0 and 1 <= train["final"]["chat"]["tau"] <= 16
+    assert (train["lr"], train["seqs_per_step"]) == (1e-3, 3)  # the flags reach the recipe
     assert (tmp_path / "train" / "drafter" / "model.safetensors").exists()
     vocab = json.loads((tmp_path / "train" / "drafter" / "draft_vocab.json").read_text())
     assert len(vocab) == len(set(vocab)) == online_config().draft_vocab  # the engine drafts from these
