@@ -170,7 +170,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add_engine_flags(srv)
 
     dg = subs.add_parser("datagen", help="regenerate responses with the target and capture its features (drafter training data)")
-    dg.add_argument("--out", required=True, help="data folder (resumed if it holds a partial run with the same settings)")
+    dg.add_argument("--out", default=None, help="data folder (resumed if it holds a partial run with the same settings)")
     dg.add_argument("--num-prompts", type=int, default=2048)
     dg.add_argument("--split", default="train", choices=("train", "held-out"))
     dg.add_argument("--sources", type=comma_list(str), default=["sharegpt", "code"], help="comma list of sharegpt, code, code-methods")
@@ -180,7 +180,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     dg.add_argument("--batch-size", type=int, default=32, help="requests decoded together")
     dg.add_argument("--top-k", type=int, default=8, help="target log-probabilities kept per position (for distillation)")
     dg.add_argument("--feature-layers", type=comma_list(int), default=None, help="target layers to capture (default: 5 spread)")
+    dg.add_argument("--prompts", default=None, metavar="PATH.jsonl",
+                    help="a bench prompt file (your traffic's requests) instead of the split of --sources")
     dg.add_argument("--write-prompts", default=None, metavar="PATH.jsonl", help="only write the split's prompts (up to 600 characters) as a bench prompt file")
+    dg.add_argument("--write-traffic-prompts", default=None, metavar="PATH.jsonl.xz",
+                    help="only write --num-prompts RAG and as many agent requests of the load test's kind, none the "
+                         "load test or the bench prompts ask (the agent's first reply is the target's, greedy)")
     add_engine_flags(dg, only=("target", "dtype", "device"))
 
     from engine.train import TrainConfig
@@ -316,8 +321,16 @@ def check(args, parser: argparse.ArgumentParser):
             engine_config(args)
         except ValueError as e:
             parser.error(flagged(str(e)))
-    if args.command == "datagen" and args.top_k < 1:
-        parser.error(f"--top-k must be >= 1, got {args.top_k}")
+    if args.command == "datagen":
+        if args.top_k < 1:
+            parser.error(f"--top-k must be >= 1, got {args.top_k}")
+        if args.out is None and not (args.write_prompts or args.write_traffic_prompts):
+            parser.error("--out is required (the data folder)")
+        if args.prompts:
+            try:
+                read_prompts(args.prompts)
+            except PromptFileError as e:
+                parser.error(f"--prompts: {e}")
     if args.command == "generate":
         if not args.prompt.strip():
             parser.error("--prompt must not be empty")
@@ -477,10 +490,23 @@ def cmd_datagen(args):
         datagen.write_prompt_file(args.write_prompts, args.sources, args.split)
         return
     loaded = load_models(engine_config(args, draft="none"))
+    if args.write_traffic_prompts:
+        import lzma
+
+        from engine.engine import Engine
+        from engine.loading import stop_token_ids
+        from loadtest.scenarios import greedy_replies, training_prompts
+
+        engine = Engine(loaded.target, None, max_slots=args.batch_size, max_len=2048,
+                        stop_token_ids=stop_token_ids(loaded.target_path))
+        prompts = training_prompts(args.num_prompts, greedy_replies(engine, loaded.tokenizer))
+        text = "".join(p.model_dump_json(exclude_none=True) + "\n" for p in prompts).encode()
+        Path(args.write_traffic_prompts).write_bytes(lzma.compress(text) if args.write_traffic_prompts.endswith(".xz") else text)
+        return
     datagen.generate_data(
         loaded, args.out, num_prompts=args.num_prompts, split=args.split, sources=args.sources,
-        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size, top_k=args.top_k, feature_layers=args.feature_layers, skip_prompts=args.skip_prompts,
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+        top_k=args.top_k, feature_layers=args.feature_layers, skip_prompts=args.skip_prompts, prompt_file=args.prompts,
     )
 
 

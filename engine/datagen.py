@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from engine.engine import Engine, SamplingParams
+from engine.prompts import read_prompts
 
 HELD_OUT_PERCENT = 2
 NUM_HELD_OUT = 128  # held-out prompts every drafter is scored on (data/prompts/held-out.jsonl)
@@ -230,10 +231,12 @@ def pack_shard(requests, engine: CaptureEngine) -> dict:
 
 
 def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCES, max_prompt_tokens=256,
-                  max_new_tokens=256, batch_size=32, top_k=8, feature_layers=None, skip_prompts=0, quiet=False):
+                  max_new_tokens=256, batch_size=32, top_k=8, feature_layers=None, skip_prompts=0, prompt_file=None,
+                  quiet=False):
     """Regenerate responses for `num_prompts` prompts into `out_dir`; resumes a partial folder.
     skip_prompts: start after that many prompts (of the split, within max_prompt_tokens): more data
-    that an earlier folder made with the same settings does not hold."""
+    that an earlier folder made with the same settings does not hold. prompt_file: a bench prompt file
+    (engine/prompts.py: your traffic's requests) instead of the split of `sources`."""
     from engine.drafter import default_target_layer_ids
     from engine.loading import stop_token_ids
 
@@ -242,6 +245,7 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
     feature_layers = list(feature_layers or default_target_layer_ids(config.num_layers, 5))
     meta = {
         "target": str(loaded.target_path), "split": split, "sources": list(sources),
+        **({"prompts": str(prompt_file)} if prompt_file else {}),
         "feature_layers": feature_layers, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
         "max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_prompts": num_prompts,
         "skip_prompts": skip_prompts,
@@ -261,8 +265,12 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
     prompts = []
     # the committed held-out list holds the split's first prompts of the default sources (no ShareGPT package needed)
     committed = split == "held-out" and tuple(sources) == SOURCES and max_prompt_tokens == 256
-    for item in read_prompt_list(HELD_OUT_PROMPTS) if committed else load_prompts(sources, split):
-        ids = chat_ids(loaded.tokenizer, item.text)
+    if prompt_file:
+        all_ids = (p.token_ids(loaded.tokenizer) for p in read_prompts(prompt_file))
+    else:
+        all_ids = (chat_ids(loaded.tokenizer, item.text)
+                   for item in (read_prompt_list(HELD_OUT_PROMPTS) if committed else load_prompts(sources, split)))
+    for ids in all_ids:
         if len(ids) <= max_prompt_tokens:
             prompts.append(ids)
         if len(prompts) == skip_prompts + num_prompts:

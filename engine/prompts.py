@@ -6,6 +6,7 @@ ids, answers, ...) are ignored.
 """
 
 import json
+import lzma
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -75,12 +76,13 @@ def reason(e: json.JSONDecodeError | ValidationError) -> str:
 
 
 def read_prompts(path) -> list[Prompt]:
-    """Parse a JSONL prompt file; errors name the file and the line."""
+    """Parse a JSONL prompt file (.jsonl.xz: compressed with xz); errors name the file and the line."""
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"{path}: no such file")
+    data = path.read_bytes()
     prompts = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate((lzma.decompress(data) if path.suffix == ".xz" else data).decode().splitlines(), 1):
         if not line.strip():
             continue
         try:

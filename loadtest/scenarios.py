@@ -221,28 +221,59 @@ def write_bench_prompts(folder: Path, reply, n: int = 16) -> list[Path]:
     return paths
 
 
-def greedy_reply(engine, tokenizer, max_tokens: int = 64):
-    """reply(messages) for bench_prompts: the engine's greedy answer, as the load test asks for it."""
+def greedy_replies(engine, tokenizer, max_tokens: int = 64):
+    """replies([messages, ...]) for training_prompts, one batch through the engine: its greedy answers, as the
+    load test asks for them. replies([messages])[0] is bench_prompts' reply."""
     from engine.engine import SamplingParams
 
-    def reply(messages):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        out = engine.generate_batch([ids], SamplingParams(max_tokens=max_tokens))[0].output_ids
-        return tokenizer.decode(out, skip_special_tokens=True)
+    def replies(conversations):
+        ids = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+               for m in conversations]
+        out = engine.generate_batch(ids, SamplingParams(max_tokens=max_tokens))
+        return [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in out]
 
-    return reply
+    return replies
+
+
+def greedy_reply(engine, tokenizer, max_tokens: int = 64):
+    """reply(messages) for bench_prompts: the engine's greedy answer, as the load test asks for it."""
+    replies = greedy_replies(engine, tokenizer, max_tokens)
+    return lambda messages: replies([messages])[0]
+
+
+def training_prompts(n: int, replies, seed: int = SEED + 1) -> list[Prompt]:
+    """n rag and n agent requests shaped as bench_prompts' (agent: the turn after the tool result, its
+    history holding the model's reply from `replies`, batched), drawn with another seed: training data for
+    a drafter that serves this traffic. None asks what a bench prompt or the load test asks (the same
+    question, the same tool call), so both still measure held-out requests; they share the corpus, the
+    tools and the system prompt, as a deployment's requests do."""
+    retriever = Retriever(stdlib_passages())
+    load_test = traffic(retriever, 120, SEED)
+    bench_rag, bench_agent = rag_items(retriever, 16, random.Random(SEED)), agent_tasks(retriever, 16, random.Random(SEED))
+    asked = {r["question"] for r in load_test["rag"] + bench_rag}
+    called = {json.dumps(t["call"], sort_keys=True) for t in load_test["agent"]["tasks"] + bench_agent}
+    drawn = traffic(retriever, n + len(asked), seed)  # enough to fill n of each after the exclusions
+    rag = [r for r in drawn["rag"] if r["question"] not in asked][:n]
+    tasks = [t for t in drawn["agent"]["tasks"] if json.dumps(t["call"], sort_keys=True) not in called][:n]
+    system = Message(role="system", content=AGENT_SYSTEM)
+    firsts = [[system, Message(role="user", content=t["task"])] for t in tasks]
+    answers = replies([[m.model_dump() for m in first] for first in firsts])
+    agent = [Prompt(messages=first + [Message(role="assistant", content=a), Message(role="tool", content=t["observation"])])
+             for first, a, t in zip(firsts, answers, tasks)]
+    return [Prompt(messages=[Message(role="user", content=r["prompt"])]) for r in rag] + agent
+
+
+def traffic(retriever: Retriever, num_items: int, seed: int) -> dict:
+    """The rag and agent items of the load test's traffic (`build`)."""
+    rng = random.Random(seed)
+    return {"rag": rag_items(retriever, num_items, rng),
+            "agent": {"system": AGENT_SYSTEM, "tasks": agent_tasks(retriever, num_items, rng)}}
 
 
 def build(path: Path, num_items: int = 120, seed: int = SEED) -> dict:
     """Build every scenario's traffic and write it to `path` (JSON); returns it."""
-    rng = random.Random(seed)
     retriever = Retriever(stdlib_passages())
-    data = {
-        "chat": chat_conversations(),
-        "rag": rag_items(retriever, num_items, rng),
-        "agent": {"system": AGENT_SYSTEM, "tasks": agent_tasks(retriever, num_items, rng)},
-        "corpus_passages": len(retriever.passages),
-    }
+    data = {"chat": chat_conversations(), **traffic(retriever, num_items, seed), "corpus_passages": len(retriever.passages)}
     Path(path).write_text(json.dumps(data, indent=1))
     return data
 

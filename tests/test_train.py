@@ -255,6 +255,36 @@ def run_cli(*args):
 
 
 @pytest.mark.slow
+def test_datagen_from_a_prompt_file_regenerates_those_requests(tmp_path):
+    """datagen --prompts FILE (your traffic's requests, bench format, here xz-compressed) captures replies to
+    exactly those requests, chat template and system prompt included, and records the file in meta.json;
+    a malformed file is refused by name before any model loads."""
+    import lzma
+
+    from engine.default_model import resolve_model_path
+    from engine.loading import load_tokenizer
+    from engine.prompts import read_prompts
+
+    prompts = tmp_path / "traffic.jsonl.xz"
+    lines = ['{"messages": [{"role": "system", "content": "Reply with JSON only."}, {"role": "user", "content": "Name a colour."}]}',
+             '{"messages": [{"role": "user", "content": "What does json.dumps do?"}]}']
+    prompts.write_bytes(lzma.compress("\n".join(lines).encode()))
+    r = run_cli("datagen", "--prompts", str(prompts), "--out", str(tmp_path / "data"), "--num-prompts", "2",
+                "--max-new-tokens", "12", "--batch-size", "2", "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    data = DrafterData(tmp_path / "data")
+    tokenizer = load_tokenizer(resolve_model_path(None))
+    assert [s.tokens[: s.prompt_len].tolist() for s in data.sequences] == [p.token_ids(tokenizer) for p in read_prompts(prompts)]
+    assert all(len(s.tokens) > s.prompt_len for s in data.sequences)
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["prompts"] == str(prompts)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')
+    r = run_cli("datagen", "--prompts", str(bad), "--out", str(tmp_path / "bad-data"))
+    assert r.returncode == 2 and "--prompts" in r.stderr and "bad.jsonl:1" in r.stderr
+
+
+@pytest.mark.slow
 def test_bad_training_input_gets_a_clear_error(data_dirs, tmp_path):
     missing = run_cli("train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o1"))
     assert missing.returncode != 0 and "not a datagen folder" in missing.stderr
