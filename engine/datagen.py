@@ -244,8 +244,8 @@ def generate_data(loaded, out_dir, *, num_prompts, split="train", sources=SOURCE
     config = loaded.target.config
     feature_layers = list(feature_layers or default_target_layer_ids(config.num_layers, 5))
     meta = {
-        "target": str(loaded.target_path), "split": split, "sources": list(sources),
-        **({"prompts": str(prompt_file)} if prompt_file else {}),
+        "target": str(loaded.target_path),
+        **({"prompts": str(prompt_file)} if prompt_file else {"split": split, "sources": list(sources)}),
         "feature_layers": feature_layers, "top_k": top_k, "max_prompt_tokens": max_prompt_tokens,
         "max_new_tokens": max_new_tokens, "batch_size": batch_size, "num_prompts": num_prompts,
         "skip_prompts": skip_prompts,

@@ -276,7 +276,8 @@ def test_datagen_from_a_prompt_file_regenerates_those_requests(tmp_path):
     tokenizer = load_tokenizer(resolve_model_path(None))
     assert [s.tokens[: s.prompt_len].tolist() for s in data.sequences] == [p.token_ids(tokenizer) for p in read_prompts(prompts)]
     assert all(len(s.tokens) > s.prompt_len for s in data.sequences)
-    assert json.loads((tmp_path / "data" / "meta.json").read_text())["prompts"] == str(prompts)
+    meta = json.loads((tmp_path / "data" / "meta.json").read_text())
+    assert meta["prompts"] == str(prompts) and "split" not in meta and "sources" not in meta
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n')
