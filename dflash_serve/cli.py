@@ -491,17 +491,14 @@ def cmd_datagen(args):
         return
     loaded = load_models(engine_config(args, draft="none"))
     if args.write_traffic_prompts:
-        import lzma
-
         from engine.engine import Engine
         from engine.loading import stop_token_ids
+        from engine.prompts import write_prompts
         from loadtest.scenarios import greedy_replies, training_prompts
 
         engine = Engine(loaded.target, None, max_slots=args.batch_size, max_len=2048,
                         stop_token_ids=stop_token_ids(loaded.target_path))
-        prompts = training_prompts(args.num_prompts, greedy_replies(engine, loaded.tokenizer))
-        text = "".join(p.model_dump_json(exclude_none=True) + "\n" for p in prompts).encode()
-        Path(args.write_traffic_prompts).write_bytes(lzma.compress(text) if args.write_traffic_prompts.endswith(".xz") else text)
+        write_prompts(args.write_traffic_prompts, training_prompts(args.num_prompts, greedy_replies(engine, loaded.tokenizer)))
         return
     datagen.generate_data(
         loaded, args.out, num_prompts=args.num_prompts, split=args.split, sources=args.sources,

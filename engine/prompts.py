@@ -75,6 +75,12 @@ def reason(e: json.JSONDecodeError | ValidationError) -> str:
     return f"{where}: {err['msg']}" if where else err["msg"]
 
 
+def write_prompts(path, prompts: list[Prompt]):
+    """A JSONL prompt file that read_prompts reads back (.xz: compressed with xz)."""
+    text = "".join(p.model_dump_json(exclude_none=True) + "\n" for p in prompts).encode()
+    Path(path).write_bytes(lzma.compress(text) if Path(path).suffix == ".xz" else text)
+
+
 def read_prompts(path) -> list[Prompt]:
     """Parse a JSONL prompt file (.jsonl.xz: compressed with xz); errors name the file and the line."""
     path = Path(path)

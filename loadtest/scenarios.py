@@ -24,7 +24,7 @@ from pathlib import Path
 
 from engine.datagen import PromptItem, sharegpt_conversations, stdlib_modules, summary_line
 from engine.default_model import cache_dir
-from engine.prompts import Message, Prompt
+from engine.prompts import Message, Prompt, write_prompts
 
 SEED = 0
 MAX_TURN_CHARS = 600  # a human turn is cut to this (the server's context is 2,048 tokens)
@@ -216,7 +216,7 @@ def write_bench_prompts(folder: Path, reply, n: int = 16) -> list[Path]:
     paths = []
     for scenario in ("rag", "agent"):
         path = Path(folder) / f"{scenario}.jsonl"
-        path.write_text("".join(p.model_dump_json(exclude_none=True) + "\n" for p in bench_prompts(scenario, n, reply)))
+        write_prompts(path, bench_prompts(scenario, n, reply))
         paths.append(path)
     return paths
 
@@ -250,11 +250,14 @@ def training_prompts(n: int, replies, seed: int = SEED + 1) -> list[Prompt]:
     retriever = Retriever(stdlib_passages())
     load_test = traffic(retriever, 120, SEED)
     bench_rag, bench_agent = rag_items(retriever, 16, random.Random(SEED)), agent_tasks(retriever, 16, random.Random(SEED))
+    def call(task):
+        return json.dumps(task["call"], sort_keys=True)
+
     asked = {r["question"] for r in load_test["rag"] + bench_rag}
-    called = {json.dumps(t["call"], sort_keys=True) for t in load_test["agent"]["tasks"] + bench_agent}
+    called = {call(t) for t in load_test["agent"]["tasks"] + bench_agent}
     drawn = traffic(retriever, n + len(asked), seed)  # enough to fill n of each after the exclusions
     rag = [r for r in drawn["rag"] if r["question"] not in asked][:n]
-    tasks = [t for t in drawn["agent"]["tasks"] if json.dumps(t["call"], sort_keys=True) not in called][:n]
+    tasks = [t for t in drawn["agent"]["tasks"] if call(t) not in called][:n]
     system = Message(role="system", content=AGENT_SYSTEM)
     firsts = [[system, Message(role="user", content=t["task"])] for t in tasks]
     answers = replies([[m.model_dump() for m in first] for first in firsts])
