@@ -14,6 +14,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_CPUS = 2
+# A chat request that decodes for a long while (greedy, no EOS for hundreds of tokens on every host tried; the
+# earlier "Write a haiku about the sea." ends after ~40 tokens, and "Tell me a long story." stopped after 55 on
+# an AVX512 host in float32): for tests that must catch a request while it runs
+LONG_CHAT = {"messages": [{"role": "user", "content": "List the numbers from 1 to 1000, separated by commas."}],
+             "max_tokens": 1500, "temperature": 0}
 
 
 def free_port() -> int:

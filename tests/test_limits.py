@@ -13,7 +13,7 @@ import httpx
 import pytest
 from ray import serve
 
-from conftest import deploy, openai_client
+from conftest import LONG_CHAT, deploy, openai_client
 from deployments.app import build_app
 from deployments.config import AppConfig
 
@@ -24,10 +24,7 @@ CONFIG = AppConfig(policy="fixed", draft="random", dtype="float32", max_slots=1,
                    request_timeout_s=4, api_keys=[KEY, OTHER_KEY], max_request_bytes=16384)
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 CANARY = "zebra-canary-prompt-31337"  # a prompt that must never reach a log
-# A request that decodes past the 4 s timeout: counting runs for hundreds of tokens on every host tried
-# ("Tell me a long story." stopped after 55 tokens on an AVX512 host in float32: other numerics, another path)
-LONG = {"messages": [{"role": "user", "content": "List the numbers from 1 to 1000, separated by commas."}],
-        "max_tokens": 1500, "temperature": 0}
+LONG = LONG_CHAT  # decodes past the 4 s timeout
 
 
 @pytest.fixture(scope="module")
