@@ -265,7 +265,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     lk.add_argument("--turns", default="first", choices=("first", "all"),
                     help="first: each conversation's first request; all: every turn, the replies in the history")
     lk.add_argument("--variants", type=comma_list(str), default=["b1", "b2", "b4", "adaptive"],
-                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive")
+                    help="comma list of ar (no drafter), b<N> (fixed block N), adaptive (DFlash drafts only), "
+                         "dflash+suffix (the default engine)")
     lk.add_argument("--max-block", type=int, default=16, help="every request's largest block (a server's)")
     lk.add_argument("--max-tokens", type=int, default=64, help="greedy tokens per reply")
     lk.add_argument("--repeats", type=int, default=1, help="runs per cell, each on conversations of its own")

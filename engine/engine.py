@@ -342,6 +342,11 @@ class Engine:
 
     # ---- one engine step -----------------------------------------------------------------
 
+    def not_the_callers_time(self):
+        """The time since the last step was not spent by this engine's caller on its steps (a harness ran other
+        engines meanwhile): it is not told to the policy as the time a step costs outside the engine."""
+        self._last_step_end = None
+
     def step(self) -> list[StepOutput]:
         """Prefill a group of new requests, or run one speculative step for every running request.
 

@@ -27,11 +27,12 @@ from engine.config import EngineConfig, build_engine, load_models
 from engine.engine import SamplingParams
 from engine.prompts import Message, Prompt
 from engine.stats import geomean_interval
-from loadtest.run import fmt
+from loadtest.run import HYBRID, fmt
 from loadtest.scenarios import conversations
 
 SCENARIOS = ("chat", "rag", "agent")
 MAX_LEN = 2048  # the load test's server context
+NAMED = {"adaptive": "dflash", HYBRID: "dflash,suffix"}  # adaptive variants: their proposers
 
 
 @dataclass
@@ -59,12 +60,13 @@ def drafting_fixed(name: str) -> bool:
 
 
 def lane_config(cfg: LockstepConfig, name: str, batch: int) -> EngineConfig:
-    """A variant's engine: ar without a drafter, b<N> a fixed block, adaptive the adaptive policy."""
+    """A variant's engine: ar without a drafter, b<N> a fixed block, adaptive the adaptive policy (DFlash
+    drafts only, as the block variants), dflash+suffix the default engine (the adaptive policy with suffix drafts)."""
     engine = replace(cfg.engine, max_slots=batch, max_len=MAX_LEN, proposers="dflash")  # block policies compared
     if name == "ar":
         return replace(engine, draft="none", policy="fixed", block_size=None)
-    if name == "adaptive":
-        return replace(engine, policy="adaptive", block_size=cfg.max_block)
+    if name in NAMED:
+        return replace(engine, policy="adaptive", block_size=cfg.max_block, proposers=NAMED[name])
     return replace(engine, policy="fixed", block_size=fixed_block(name))
 
 
@@ -72,9 +74,9 @@ def check_config(cfg: LockstepConfig) -> str | None:
     unknown = [s for s in cfg.scenarios if s not in SCENARIOS]
     if unknown or not cfg.scenarios:
         return f"--scenarios: unknown or none: {', '.join(unknown) or '(empty)'}; choose from {', '.join(SCENARIOS)}"
-    bad = [v for v in cfg.variants if v not in ("ar", "adaptive") and fixed_block(v) is None]
+    bad = [v for v in cfg.variants if v != "ar" and v not in NAMED and fixed_block(v) is None]
     if bad or not cfg.variants:
-        return f"--variants: unknown or none: {', '.join(bad) or '(empty)'}; choose from ar, b<N>, adaptive"
+        return f"--variants: unknown or none: {', '.join(bad) or '(empty)'}; choose from ar, b<N>, {', '.join(NAMED)}"
     for name in ("batch", "prompts", "max_block", "max_tokens", "repeats"):
         values = getattr(cfg, name)
         if min(values if isinstance(values, list) else [values], default=0) < 1:
@@ -119,6 +121,7 @@ class Lane:
             ids = Prompt(messages=history).token_ids(self.tokenizer)
             if len(ids) + self.params.max_tokens <= MAX_LEN:  # else the conversation ends (a server answers 400)
                 admit.append((ids, conversation, turns[1:], history))
+        self.engine.not_the_callers_time()  # the other lanes' steps since this lane's last one
         start = time.perf_counter()
         for ids, conversation, turns, history in admit:
             request = self.engine.add_request(ids, self.params)
