@@ -314,6 +314,10 @@ def held_out_data(loaded, quiet=False) -> Path:
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "data" / "prompts"
 TRAIN_PROMPTS = PROMPTS_DIR / "train.jsonl.xz"  # every training source, tokenised length <= 512
 HELD_OUT_PROMPTS = PROMPTS_DIR / "held-out.jsonl"  # the 128 held-out prompts every drafter is scored on
+# bench prompt files (engine/prompts.py): 300 RAG + 300 agent training requests, and the bench's own 16 + 16
+# (none of which the training file asks)
+TRAFFIC_PROMPTS = PROMPTS_DIR / "traffic-train.jsonl.xz"
+AGENT_PROMPTS, RAG_PROMPTS = PROMPTS_DIR / "agent.jsonl", PROMPTS_DIR / "rag.jsonl"
 TRAIN_SOURCES = ("sharegpt", "code", "code-methods", "sharegpt-turns")
 
 

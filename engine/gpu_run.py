@@ -42,6 +42,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's, 6e-4)")
     p.add_argument("--seqs-per-step", type=int, default=None,
                    help="sequences a training step takes, 128 blocks each (default: the recipe's, 64)")
+    p.add_argument("--traffic-prompts", default=None, metavar="PATH",
+                   help="bench prompt file of RAG and agent requests trained on too, or none "
+                        "(default: the recipe's, data/prompts/traffic-train.jsonl.xz)")
+    p.add_argument("--traffic-share", type=float, default=None,
+                   help="share of each step's sequences drawn from the traffic replies (default: the recipe's, 0.15)")
     p.add_argument("--target", default=None, help="target folder (default: the default model)")
     p.add_argument("--tiny", action="store_true", help="dry run: a tiny random target, small shapes, short budgets")
     args = p.parse_args(argv)
@@ -50,6 +55,10 @@ def parse_args(argv=None):
         p.error(f"--lr must be > 0, got {args.lr}")
     if args.seqs_per_step is not None and args.seqs_per_step < 1:
         p.error(f"--seqs-per-step must be >= 1, got {args.seqs_per_step}")
+    if args.traffic_share is not None and not 0 <= args.traffic_share <= 1:
+        p.error(f"--traffic-share must be between 0 and 1, got {args.traffic_share}")
+    if args.traffic_prompts not in (None, "none") and not Path(args.traffic_prompts).is_file():
+        p.error(f"--traffic-prompts {args.traffic_prompts}: no such file")
     unknown = set(args.phases) - set(PHASES)
     if unknown:
         p.error(f"unknown phase(s) {', '.join(sorted(unknown))}; choose from {', '.join(PHASES)}")
@@ -161,14 +170,18 @@ def phase_train(args, out: Path) -> dict:
     cfg = OnlineConfig(out=str(out / "train"), target=target_of(args, out), init=args.init, device=args.device,
                        budget_s=args.train_budget)
     if args.tiny:
-        cfg.generate_batch, cfg.seqs_per_step, cfg.anchors, cfg.held_out_limit, cfg.prompt_limit = 16, 4, 16, 8, 64
+        cfg.generate_batch, cfg.seqs_per_step, cfg.anchors, cfg.held_out_limit, cfg.prompt_limit = 16, 4, 16, 4, 64
         cfg.max_new_tokens, cfg.eval_every_s, cfg.reserve_s, cfg.bf16 = 16, 5.0, 3.0, False
-        cfg.intermediate_size, cfg.generate_share = 0, 0.3
+        cfg.intermediate_size, cfg.generate_share, cfg.traffic_limit = 0, 0.3, 8
     cfg.lr = args.lr or cfg.lr
     cfg.seqs_per_step = args.seqs_per_step or cfg.seqs_per_step
+    if args.traffic_prompts is not None:
+        cfg.traffic_prompts = None if args.traffic_prompts == "none" else args.traffic_prompts
+    cfg.traffic_share = cfg.traffic_share if args.traffic_share is None else args.traffic_share
     summary = train_online(cfg)
-    keys = ("replies", "reply_tokens", "generate_seconds", "train_seconds", "steps", "blocks", "final")
-    return {k: summary[k] for k in keys} | {"lr": cfg.lr, "seqs_per_step": cfg.seqs_per_step}
+    keys = ("replies", "reply_tokens", "by_source", "generate_seconds", "train_seconds", "steps", "blocks", "final")
+    return {k: summary[k] for k in keys} | {"lr": cfg.lr, "seqs_per_step": cfg.seqs_per_step,
+                                            "traffic_prompts": cfg.traffic_prompts, "traffic_share": cfg.traffic_share}
 
 
 # ---- costs -------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Drafter training with the target's features computed online: what a GPU makes cheap.
 
-From a prompt list, the target writes its replies in large batches; each training step then runs the
-target over a batch of (prompt + reply) sequences for their features and greedy choices, and trains
-the drafter on random anchor blocks of them (the recipe of engine/train.py). Nothing is stored
+From a prompt list and a bench prompt file of RAG and agent requests, the target writes its replies in
+large batches; each training step then runs the target over a batch of (prompt + reply) sequences for
+their features and greedy choices, and trains the drafter on random anchor blocks of them (the recipe
+of engine/train.py). Nothing is stored
 between the two but token ids, so the run is bounded by time, not by disk. Everything is timed
 against one wall-clock budget.
 """
@@ -11,6 +12,7 @@ import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,11 +20,15 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from engine.datagen import HELD_OUT_PROMPTS, TRAIN_PROMPTS, chat_ids_many, generate_responses, read_prompt_list
+from engine.datagen import (AGENT_PROMPTS, HELD_OUT_PROMPTS, RAG_PROMPTS, TRAFFIC_PROMPTS, TRAIN_PROMPTS, PromptItem,
+                            chat_ids_many, generate_responses, read_prompt_list)
 from engine.drafter import Drafter, DrafterConfig, default_target_layer_ids, save_drafter
+from engine.prompts import read_prompts
 from engine.train import Sequence, evaluate, make_batch, position_weights, sample_anchors, train_forward
 
 CODE_SOURCES = ("code", "code-methods")
+HELD_OUT_BENCH = {"agent": AGENT_PROMPTS, "rag": RAG_PROMPTS}  # scored beside the held-out list's chat and code
+HELD_OUT_KINDS = ("chat", "code", *HELD_OUT_BENCH)
 
 
 @dataclass
@@ -31,6 +37,10 @@ class OnlineConfig:
     target: str | None = None  # None: the default model
     prompts: str = str(TRAIN_PROMPTS)
     held_out_prompts: str = str(HELD_OUT_PROMPTS)
+    # RAG and agent requests in the bench prompt format (chat messages: their token ids are the chat template's,
+    # system prompt included), trained on beside the prompt list as source "traffic", shuffled in with it
+    # (None or "": none). Held-out agent and RAG tau are scored either way (the bench's prompt files)
+    traffic_prompts: str | None = str(TRAFFIC_PROMPTS)
     init: str = "random"  # random | a drafter folder (go on training it)
     num_layers: int = 2
     intermediate_size: int = 1024  # 0: the target's
@@ -39,7 +49,7 @@ class OnlineConfig:
     num_feature_layers: int = 5
     budget_s: float = 390.0  # wall clock for the whole run: replies, training, evaluations, saving
     generate_share: float = 0.3  # of the budget spent writing replies (greedy first, then sampled)
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = 768  # longer prompts are left out (the traffic requests are up to ~750 tokens)
     max_new_tokens: int = 256
     generate_batch: int = 2048
     sample_temperature: float = 0.6  # replies after each prompt's greedy one
@@ -54,8 +64,13 @@ class OnlineConfig:
     # the head scores the N tokens the training replies use most (0: the whole vocabulary): the loss costs
     # N/V of the whole head's, and the engine drafts from those N (draft_vocab.json beside the drafter)
     draft_vocab: int = 8192
-    prompt_limit: int | None = None  # use the first N prompts of the (shuffled) list only
-    held_out_limit: int | None = None  # score on the first N held-out prompts only (None: all)
+    prompt_limit: int | None = None  # use the first N prompts of the (shuffled) list only (the traffic requests come on top)
+    traffic_limit: int | None = None  # use N of the traffic requests (drawn at random) only (None: all)
+    # of each step's sequences, drawn from the traffic replies (the rest from the others): uniform draws would give
+    # them 1.3% of the steps (600 of ~46,000 prompts); on the CPU a third of the data gave agent/RAG +0.5 tau, and
+    # ~22 passes over them over-trained the drafter (docs/training.md), so a share, not a third
+    traffic_share: float = 0.15
+    held_out_limit: int | None = None  # score on the first N held-out prompts and N of each bench file only (None: all)
     eval_every_s: float = 60.0
     reserve_s: float = 20.0  # kept from training for the final evaluation and saving
     device: str = "cuda"
@@ -83,31 +98,54 @@ class TimeBudget:
         return self.start + share * self.seconds
 
 
-def write_replies(target, tokenizer, items, cfg: OnlineConfig, stops, deadline=None) -> list[Reply]:
-    """Greedy replies to the prompts, then sampled ones in further rounds until `deadline`
-    (time.monotonic()); with no deadline, the greedy round alone."""
-    prompts = chat_ids_many(tokenizer, [p.text for p in items])
-    keep = [i for i, p in enumerate(prompts) if len(p) <= cfg.max_prompt_tokens]
+def text_prompts(tokenizer, items: list[PromptItem]) -> list[tuple[list[int], str]]:
+    """(token ids, source) of prompt-list items: each text a user message in the chat template."""
+    return list(zip(chat_ids_many(tokenizer, [p.text for p in items]), [p.source for p in items]))
+
+
+def bench_prompts(tokenizer, path, source, limit=None, seed=None) -> list[tuple[list[int], str]]:
+    """(token ids, source) of a bench prompt file's requests as `Prompt.token_ids` gives them: the first
+    `limit`, or with a seed `limit` drawn at random."""
+    prompts = read_prompts(path)
+    if seed is not None:
+        random.Random(seed).shuffle(prompts)
+    return [(p.token_ids(tokenizer), source) for p in prompts[:limit]]
+
+
+def prompt_counts(prompts, max_tokens) -> dict:
+    """{source: {"kept": n, "dropped": n}}: (token ids, source) pairs within `max_tokens`, and over it."""
+    counts = {}
+    for ids, source in prompts:
+        entry = counts.setdefault(source, {"kept": 0, "dropped": 0})
+        entry["kept" if len(ids) <= max_tokens else "dropped"] += 1
+    return counts
+
+
+def write_replies(target, prompts, cfg: OnlineConfig, stops, deadline=None) -> list[Reply]:
+    """Greedy replies to the prompts ((token ids, source) pairs; those over cfg.max_prompt_tokens are left
+    out), then sampled ones in further rounds until `deadline` (time.monotonic()); with no deadline, the
+    greedy round alone."""
+    keep = [(ids, source) for ids, source in prompts if len(ids) <= cfg.max_prompt_tokens]
     replies, round_ = [], 0
-    while round_ == 0 or (deadline is not None and time.monotonic() < deadline and round_ < 8):
+    while keep and (round_ == 0 or (deadline is not None and time.monotonic() < deadline and round_ < 8)):
         temperature = 0.0 if round_ == 0 else cfg.sample_temperature
-        out = generate_responses(target, [prompts[i] for i in keep], max_new_tokens=cfg.max_new_tokens,
+        out = generate_responses(target, [ids for ids, _ in keep], max_new_tokens=cfg.max_new_tokens,
                                  batch_size=cfg.generate_batch, temperature=temperature, stop_token_ids=stops,
                                  seed=cfg.seed + round_, deadline=deadline, quiet=False)
-        replies += [Reply(prompts[i] + r, len(prompts[i]), items[i].source) for i, r in zip(keep, out) if len(r) >= 2]
+        replies += [Reply(ids + r, len(ids), source) for (ids, source), r in zip(keep, out) if len(r) >= 2]
         round_ += 1
     return replies
 
 
 @torch.no_grad()
-def target_pass(target, replies: list[Reply], feature_layers, cache, budget_tokens) -> list[Sequence]:
-    """Sequences with the target's features and greedy choices, from prefills of at most
-    `budget_tokens` padded positions (the target's KV cache is scratch here). The greedy choices
-    come from the last layer's output of the real positions only: the full logits of a pass are
-    tens of GB in float32."""
+def target_pass(target, replies: list[Reply], feature_layers, cache, budget_tokens, greedy=True) -> list[Sequence]:
+    """Sequences with the target's features and, with `greedy`, its greedy choices (held-out ones need
+    none), from prefills of at most `budget_tokens` padded positions (the target's KV cache is scratch
+    here). The greedy choices come from the last layer's output of the real positions only: the full
+    logits of a pass are tens of GB in float32."""
     out, lo = [], 0
     device, last = target.device, target.config.num_layers - 1
-    layers = list(feature_layers) + ([] if last in feature_layers else [last])
+    layers = list(feature_layers) + ([] if last in feature_layers or not greedy else [last])
     hidden = target.config.hidden_size
     while lo < len(replies):
         hi, width = lo + 1, len(replies[lo].tokens)
@@ -122,15 +160,16 @@ def target_pass(target, replies: list[Reply], feature_layers, cache, budget_toke
         first = torch.zeros(len(rows), 1, dtype=torch.long, device=device)  # logits of one position only
         _, outputs = target(ids.to(device), positions.to(device), cache, list(range(len(rows))), width, layers, first)
         features = outputs[..., : len(feature_layers) * hidden]
-        final = outputs[..., layers.index(last) * hidden: (layers.index(last) + 1) * hidden]
-        real = positions >= 0
-        choices = torch.cat([target.lm_head(target.norm(x)).argmax(-1) for x in final[real.to(device)].split(budget_tokens)])
-        greedy = torch.zeros(len(rows), width, dtype=torch.long)
-        greedy[real] = choices.cpu()
-        greedy = torch.cat([ids[:, :1], greedy[:, :-1]], 1)  # row i: the choice for token i
+        if greedy:
+            final = outputs[..., layers.index(last) * hidden: (layers.index(last) + 1) * hidden]
+            real = positions >= 0
+            picked = [target.lm_head(target.norm(x)).argmax(-1) for x in final[real.to(device)].split(budget_tokens)]
+            choices = torch.zeros(len(rows), width, dtype=torch.long)
+            choices[real] = torch.cat(picked).cpu()
+            choices = torch.cat([ids[:, :1], choices[:, :-1]], 1)  # row i: the choice for token i
         for i, r in enumerate(rows):
             n = len(r.tokens)
-            out.append(Sequence(ids[i, :n], r.prompt_len, features[i, :n], greedy=greedy[i, :n]))
+            out.append(Sequence(ids[i, :n], r.prompt_len, features[i, :n], greedy=choices[i, :n] if greedy else None))
         lo = hi
     return out
 
@@ -222,6 +261,15 @@ class Held:
         self.sequences = sequences
 
 
+def draw(pools: tuple[list, list], n: int, share: float, generator) -> list:
+    """n replies at random: round(share * n) from the first pool (the traffic replies), the rest from the
+    second; all from the one pool when the other is empty."""
+    first, second = pools
+    k = n if not second else 0 if not first else round(share * n)
+    pick = lambda pool, m: [pool[i] for i in torch.randint(len(pool), (m,), generator=generator).tolist()] if m else []
+    return pick(first, k) + pick(second, n - k)
+
+
 def make_drafter(cfg: OnlineConfig, target_config) -> Drafter:
     from engine.default_model import MASK_TOKEN_ID
     from engine.drafter import load_drafter
@@ -285,18 +333,29 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     drafter = make_drafter(cfg, target.config).to(device)
     layers = drafter.config.target_layer_ids
 
-    # held-out replies first (greedy, as decoding will be scored), then the training replies
-    held_items = read_prompt_list(cfg.held_out_prompts)[: cfg.held_out_limit]
-    held_replies = write_replies(target, tokenizer, held_items, cfg, stops)
+    # held-out replies first (greedy, as decoding will be scored), then the training replies; a prompt's source
+    # is its held-out kind here
+    held_prompts = [(ids, "code" if source in CODE_SOURCES else "chat") for ids, source in
+                    text_prompts(tokenizer, read_prompt_list(cfg.held_out_prompts)[: cfg.held_out_limit])]
+    for kind, path in HELD_OUT_BENCH.items():
+        held_prompts += bench_prompts(tokenizer, path, kind, cfg.held_out_limit)
+    held_replies = write_replies(target, held_prompts, cfg, stops)
     items = read_prompt_list(cfg.prompts)
     random.Random(cfg.seed).shuffle(items)
-    items = items[: cfg.prompt_limit]
+    prompts = text_prompts(tokenizer, items[: cfg.prompt_limit])
+    if cfg.traffic_prompts:
+        prompts += bench_prompts(tokenizer, cfg.traffic_prompts, "traffic", cfg.traffic_limit, seed=cfg.seed)
+        random.Random(cfg.seed + 1).shuffle(prompts)
     t0 = budget.elapsed
-    replies = write_replies(target, tokenizer, items, cfg, stops, deadline=budget.at(cfg.generate_share))
+    replies = write_replies(target, prompts, cfg, stops, deadline=budget.at(cfg.generate_share))
     gen_seconds = budget.elapsed - t0
     num_reply_tokens = sum(len(r.tokens) - r.prompt_len for r in replies)
-    log({"phase": "replies", "replies": len(replies), "prompts": len(items), "reply_tokens": num_reply_tokens,
-         "seconds": gen_seconds, "held_out_replies": len(held_replies)})
+    by_source = {"prompts": prompt_counts(prompts, cfg.max_prompt_tokens),
+                 "replies": dict(Counter(r.source for r in replies))}  # sampled rounds count again
+    log({"phase": "replies", "replies": len(replies), "prompts": len(prompts), "reply_tokens": num_reply_tokens,
+         "seconds": gen_seconds, "by_source": by_source,
+         "held_out_prompts": prompt_counts(held_prompts, cfg.max_prompt_tokens),
+         "held_out_replies": dict(Counter(r.source for r in held_replies))})
     if not quiet:
         print(f"replies: {len(replies)} ({num_reply_tokens} tokens) in {gen_seconds:.0f} s", flush=True)
     if not replies:
@@ -314,12 +373,10 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
 
     cache = target.new_cache(max(cfg.seqs_per_step, 32), cfg.max_prompt_tokens + cfg.max_new_tokens + 1)
     held = {}
-    for kind in ("chat", "code"):
-        seqs = target_pass(target, [r for r in held_replies if (r.source in CODE_SOURCES) == (kind == "code")],
-                           layers, cache, cfg.feature_tokens)
-        for s in seqs:  # scored against the reply's own tokens, as evaluation on stored data is
-            s.greedy = None
-        held[kind] = Held(seqs)
+    for kind in HELD_OUT_KINDS:  # replies shorter than a block have nothing to score
+        scored = [r for r in held_replies if r.source == kind and len(r.tokens) - r.prompt_len >= cfg.block_size]
+        # scored against the reply's own tokens, as evaluation on stored data is: no greedy choices
+        held[kind] = Held(target_pass(target, scored, layers, cache, cfg.feature_tokens, greedy=False))
     embed = target.embed_tokens.weight.detach()
     head = target.lm_head.weight.detach()
     train_head = head if vocab_ids is None else head[vocab_ids]
@@ -346,6 +403,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
         if not quiet:
             print(f"step {step}: held-out tau " + ", ".join(f"{k} {entry[k]['tau']:.3f}" for k in held if k in entry), flush=True)
 
+    pools = ([r for r in replies if r.source == "traffic"], [r for r in replies if r.source != "traffic"])
     run_eval(0)
     train_start, train_seconds = budget.elapsed, cfg.budget_s - budget.elapsed - cfg.reserve_s
     next_eval, step, blocks = time.monotonic() + cfg.eval_every_s, 0, 0
@@ -356,7 +414,7 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
         for g in optimizer.param_groups:
             g["lr"] = cfg.lr * lr_scale(cfg, step, progress)
         timer = StepTimer(device, on=step < 5 or step % 50 == 0)
-        picks = [replies[i] for i in torch.randint(len(replies), (cfg.seqs_per_step,), generator=generator).tolist()]
+        picks = draw(pools, cfg.seqs_per_step, cfg.traffic_share, generator)
         seqs = target_pass(target, picks, layers, cache, cfg.feature_tokens)
         timer.mark("target")
         if step == 0:  # the scale of what the drafter reads, in the log for when training diverges
@@ -423,8 +481,8 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     run_eval(step)
     summary = {"config": asdict(cfg), "target": str(target_path), "device": torch.cuda.get_device_name(device)
                if device.type == "cuda" else "cpu", "replies": len(replies), "reply_tokens": num_reply_tokens,
-               "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start, "steps": step,
-               "skipped_steps": skipped, "bf16_off_at_step": bf16_off_at,
+               "by_source": by_source, "generate_seconds": gen_seconds, "train_seconds": budget.elapsed - train_start,
+               "steps": step, "skipped_steps": skipped, "bf16_off_at_step": bf16_off_at,
                "blocks": blocks, "final": evals[-1], "seconds": budget.elapsed}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot_online(log_path, out / "curves.png")
@@ -443,7 +501,7 @@ def plot_online(log_path, png_path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].plot([e["seconds"] for e in steps], [e["loss"] for e in steps])
     axes[0].set(xlabel="seconds into the run", ylabel="training loss", title="loss")
-    for kind in ("chat", "code"):
+    for kind in HELD_OUT_KINDS:
         pts = [(e["seconds"], e[kind]["tau"]) for e in evals if kind in e]
         if pts:
             axes[1].plot(*zip(*pts), marker="o", label=f"held-out {kind}")

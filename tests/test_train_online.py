@@ -1,7 +1,8 @@
 """Training with online features (engine/train_online.py) and the prepared GPU run (engine/gpu_run.py):
 batched generation equals the engine's greedy output, the target pass gives each sequence's own
 features, sampled replies are labelled with the greedy chain, the chunked loss equals the plain one,
-and the whole GPU run goes through on the CPU with a tiny random target."""
+traffic requests train as their chat template gives them, and the whole GPU run goes through on the CPU
+with a tiny random target."""
 
 import json
 import math
@@ -128,11 +129,13 @@ def test_committed_prompt_lists():
 @pytest.mark.slow
 def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     """scripts/gpu_run.sh, every phase, on the CPU: a tiny random target with the default model's tokenizer
-    (the real prompt lists and chat template), a 25-second training budget, small cost shapes. Each phase
-    ends ok, the run trains and saves a drafter, evaluates held-out tau, and times every phase."""
+    (the real prompt lists, traffic requests and chat template), a 25-second training budget, small cost shapes.
+    Each phase ends ok, the run trains and saves a drafter, evaluates held-out tau (chat, code, agent, RAG), and
+    times every phase."""
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     r = subprocess.run(["bash", "scripts/gpu_run.sh", "check,train,costs", "--device", "cpu", "--tiny",
-                        "--train-budget", "25", "--lr", "1e-3", "--seqs-per-step", "3"], cwd=ROOT, env=env,
+                        "--train-budget", "25", "--lr", "1e-3", "--seqs-per-step", "3", "--traffic-share", "0.3"],
+                       cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     record = json.loads((tmp_path / "phases.json").read_text())
@@ -141,7 +144,10 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     assert record["phases"]["check"]["result"]["bench"]["returncode"] == 0
     train = record["phases"]["train"]["result"]
     assert train["replies"] > 0 and train["steps"] > 0 and 1 <= train["final"]["chat"]["tau"] <= 16
-    assert (train["lr"], train["seqs_per_step"]) == (1e-3, 3)  # the flags reach the recipe
+    assert (train["lr"], train["seqs_per_step"], train["traffic_share"]) == (1e-3, 3, 0.3)  # the flags reach the recipe
+    traffic = train["by_source"]["prompts"]["traffic"]  # 8 of the committed traffic requests (--tiny)
+    assert traffic["kept"] + traffic["dropped"] == 8 and traffic["kept"] > 0
+    assert all(1 <= train["final"][kind]["tau"] <= 16 for kind in ("chat", "code", "agent", "rag"))
     assert (tmp_path / "train" / "drafter" / "model.safetensors").exists()
     vocab = json.loads((tmp_path / "train" / "drafter" / "draft_vocab.json").read_text())
     assert len(vocab) == len(set(vocab)) == online_config().draft_vocab  # the engine drafts from these
@@ -150,6 +156,29 @@ def test_gpu_run_goes_through_on_the_cpu(tmp_path):
     costs = record["phases"]["costs"]["result"]["rows"]
     assert set(costs) == {"1", "8", "32"} and all(row["ceiling_vs_ar"] > 0 for row in costs.values())
     assert all(row["ar_graph"] > 0 and row["verify_graph"] > 0 for row in costs.values())
+
+
+def test_each_step_draws_its_share_of_traffic_replies():
+    """A step's sequences: round(share * n) traffic replies, the rest the others; one pool empty, all from the other."""
+    import torch
+
+    from engine.train_online import draw
+
+    traffic, other = [f"t{i}" for i in range(5)], [f"o{i}" for i in range(50)]
+    g = torch.Generator().manual_seed(0)
+    picks = draw((traffic, other), 20, 0.15, g)
+    assert len(picks) == 20 and sum(p in traffic for p in picks) == 3 and all(p in traffic + other for p in picks)
+    assert all(p in other for p in draw(([], other), 20, 0.15, g))
+    assert all(p in traffic for p in draw((traffic, []), 20, 0.15, g))
+    assert all(p in other for p in draw((traffic, other), 20, 0.0, g))
+
+
+def test_gpu_run_refuses_a_traffic_share_outside_0_to_1(capsys):
+    from engine import gpu_run
+
+    with pytest.raises(SystemExit):
+        gpu_run.parse_args(["train", "--traffic-share", "1.5"])
+    assert "--traffic-share must be between 0 and 1, got 1.5" in capsys.readouterr().err
 
 
 def online_config():
@@ -186,8 +215,8 @@ def test_a_run_whose_bf16_steps_are_not_finite_goes_on_in_float32(tmp_path, monk
     monkeypatch.setattr(online, "make_drafter", nan_in_bf16)
     cfg = online.OnlineConfig(out=str(tmp_path / "run"), target=str(gpu_run.tiny_target(tmp_path / "tiny")),
                               device="cpu", bf16=True, budget_s=20, generate_batch=16, seqs_per_step=4, anchors=16,
-                              held_out_limit=4, prompt_limit=32, max_new_tokens=16, eval_every_s=60, reserve_s=3,
-                              intermediate_size=0, warmup_steps=2)
+                              held_out_limit=2, prompt_limit=32, traffic_limit=8, max_new_tokens=16, eval_every_s=60,
+                              reserve_s=3, intermediate_size=0, warmup_steps=2)
     summary = online.train_online(cfg, quiet=True)
     log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     skipped = [e for e in log if "dropped" in e]
@@ -195,3 +224,42 @@ def test_a_run_whose_bf16_steps_are_not_finite_goes_on_in_float32(tmp_path, monk
     assert skipped[0]["first_non_finite"] == "module fc (its input finite)"
     assert summary["bf16_off_at_step"] == 0 and summary["steps"] > 0
     assert all(math.isfinite(e["loss"]) for e in log if "loss" in e and "dropped" not in e)
+
+
+def test_traffic_requests_train_as_their_chat_template_gives_them(tmp_path, monkeypatch):
+    """A traffic file's requests reach the target as `Prompt.token_ids` gives them (the chat template's system
+    prompt included), up to max_prompt_tokens (768: past the text list's 512) and no further, as source
+    "traffic"; held-out agent and RAG tau are scored beside chat and code, in the log and the summary."""
+    from engine import gpu_run, train_online as online
+    from engine.datagen import TRAFFIC_PROMPTS
+    from engine.loading import load_tokenizer
+    from engine.prompts import read_prompts, write_prompts
+
+    target = gpu_run.tiny_target(tmp_path / "tiny")
+    tokenizer = load_tokenizer(target)
+    committed = sorted(read_prompts(TRAFFIC_PROMPTS), key=lambda p: len(p.token_ids(tokenizer)))
+    chosen = committed[:2] + [p for p in committed if 512 < len(p.token_ids(tokenizer)) <= 768][-1:] + committed[-1:]
+    lengths = [len(p.token_ids(tokenizer)) for p in chosen]
+    assert lengths[2] > 512 and lengths[3] > 768  # one the old limit left out, one the new one does
+    write_prompts(tmp_path / "traffic.jsonl", chosen)
+    seen = []
+    generate = online.generate_responses
+    monkeypatch.setattr(online, "generate_responses",
+                        lambda target, prompts, **kw: seen.extend(prompts) or generate(target, prompts, **kw))
+    cfg = online.OnlineConfig(out=str(tmp_path / "run"), target=str(target), traffic_prompts=str(tmp_path / "traffic.jsonl"),
+                              device="cpu", bf16=False, budget_s=12, generate_share=0.2, generate_batch=32,
+                              seqs_per_step=2, anchors=8, held_out_limit=2, prompt_limit=8, max_new_tokens=16,
+                              eval_every_s=60, reserve_s=3, intermediate_size=0)
+    summary = online.train_online(cfg, quiet=True)
+    expected = [p.token_ids(tokenizer) for p in chosen]
+    assert tokenizer.decode(expected[0]).startswith("<|im_start|>system\n")
+    assert all(ids in seen for ids in expected[:3]) and expected[3] not in seen
+    assert summary["by_source"]["prompts"]["traffic"] == {"kept": 3, "dropped": 1}
+    assert summary["by_source"]["replies"]["traffic"] >= 3
+    log = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    replies = next(e for e in log if e.get("phase") == "replies")
+    kinds = {"chat": 1, "code": 1, "agent": 2, "rag": 2}  # the held-out list's first 2 are one of each
+    assert replies["held_out_prompts"] == {kind: {"kept": n, "dropped": 0} for kind, n in kinds.items()}
+    evals = [e for e in log if e.get("eval")]
+    assert evals and all(1 <= e[kind]["tau"] <= 16 for e in evals for kind in kinds)
+    assert all(1 <= summary["final"][kind]["tau"] <= 16 for kind in ("agent", "rag"))
