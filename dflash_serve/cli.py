@@ -550,9 +550,8 @@ def cmd_eval_drafter(args):
     if args.draft in ("random", "none"):
         raise ValueError("--draft must be a drafter folder or default")
     result = evaluate_drafter(args.draft, args.target, args.dtype, args.held_out)
-    for kind in ("chat", "code"):
-        if kind in result:
-            r = result[kind]
+    for kind, r in result.items():
+        if isinstance(r, dict):  # a kind of prompt: chat (or the prompt file's name), code
             lo, hi = r["tau_ci"]
             print(f"{kind}: held-out tau {r['tau']:.3f} (95% over replies {lo:.3f}-{hi:.3f}), {r['replies']} replies, "
                   f"position-1 acceptance {r['acceptance_per_pos'][0]:.3f}")

@@ -635,7 +635,9 @@ def default_held_out(target, bf16: bool, device="cpu") -> Path:
 
 def evaluate_drafter(draft, target=None, dtype="auto", held_out="default", device="cpu") -> dict:
     """Held-out greedy tau (block = the drafter's) of a drafter folder, per kind of prompt (chat, code),
-    computed as training evaluates: {"chat": {...}, "code": {...}} with tau, tau_ci, acceptance_per_pos."""
+    computed as training evaluates: {"chat": {...}, "code": {...}} with tau, tau_ci, acceptance_per_pos.
+    Held-out data made from a prompt file (`datagen --prompts data/prompts/agent.jsonl`) names its
+    non-code replies after the file ("agent"), not "chat"."""
     from engine.datagen import CODE_PROMPT
     from engine.loading import load
 
@@ -648,7 +650,8 @@ def evaluate_drafter(draft, target=None, dtype="auto", held_out="default", devic
     embed = loaded.target.embed_tokens.weight.detach()
     head = loaded.target.lm_head.weight.detach()
     result = {"held_out": str(path), "dtype": str(loaded.dtype).removeprefix("torch.")}
-    for kind in ("chat", "code"):
+    other = Path(data.meta["prompts"]).name.split(".")[0] if data.meta.get("prompts") else "chat"
+    for kind in (other, "code"):
         part = copy.copy(data)
         part.sequences = [s for s in data.sequences
                           if (CODE_PROMPT in loaded.tokenizer.decode(s.tokens[: s.prompt_len])) == (kind == "code")]

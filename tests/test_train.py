@@ -270,7 +270,7 @@ def test_datagen_from_a_prompt_file_regenerates_those_requests(tmp_path):
              '{"messages": [{"role": "user", "content": "What does json.dumps do?"}]}']
     prompts.write_bytes(lzma.compress("\n".join(lines).encode()))
     r = run_cli("datagen", "--prompts", str(prompts), "--out", str(tmp_path / "data"), "--num-prompts", "2",
-                "--max-new-tokens", "12", "--batch-size", "2", "--dtype", "float32")
+                "--max-new-tokens", "20", "--batch-size", "2", "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     data = DrafterData(tmp_path / "data")
     tokenizer = load_tokenizer(resolve_model_path(None))
@@ -278,6 +278,12 @@ def test_datagen_from_a_prompt_file_regenerates_those_requests(tmp_path):
     assert all(len(s.tokens) > s.prompt_len for s in data.sequences)
     meta = json.loads((tmp_path / "data" / "meta.json").read_text())
     assert meta["prompts"] == str(prompts) and "split" not in meta and "sources" not in meta
+    # held-out tau on those replies: named after the prompt file, not "chat"
+    r = run_cli("eval-drafter", "--held-out", str(tmp_path / "data"), "--dtype", "float32", "--json", str(tmp_path / "tau.json"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("traffic: held-out tau ") and "chat" not in r.stdout
+    tau = json.loads((tmp_path / "tau.json").read_text())
+    assert tau["traffic"]["replies"] == 2 and 1 <= tau["traffic"]["tau"] <= 16
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n')
