@@ -183,6 +183,8 @@ def run_cell(cfg: LockstepConfig, loaded, scenario: str, conversations, batch: i
         cell["adaptive_vs_best_fixed_runs"] = [a / f for a, f in zip(cell["tok_s_runs"]["adaptive"], cell["tok_s_runs"][best])]
     if "adaptive" in rate and "b1" in rate:
         cell["adaptive_vs_b1"] = rate["adaptive"] / rate["b1"]
+    if HYBRID in rate and "ar" in rate:
+        cell["default_vs_ar"] = rate[HYBRID] / rate["ar"]
     return cell
 
 
@@ -193,13 +195,13 @@ def markdown(results: list[dict], cfg: LockstepConfig) -> str:
              + f", {cfg.max_tokens} greedy tokens, largest block {cfg.max_block}", "",
              "tok/s: output tokens per second of the variant's own engine time (pooled over the repeats); the engines "
              "take turns step by step.", "",
-             "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | by repeat | adaptive / b1 |",
-             "|---|---|" + "---|" * (len(results[0]["tok_s"]) + 3)]
+             "| scenario | batch | " + " | ".join(results[0]["tok_s"]) + " | adaptive / best fixed | by repeat | adaptive / b1 "
+             f"| {HYBRID} / ar |", "|---|---|" + "---|" * (len(results[0]["tok_s"]) + 4)]
     for cell in results:
         lines.append(f"| {cell['scenario']} | {cell['batch']} | " + " | ".join(f"{r:.1f}" for r in cell["tok_s"].values())
                      + f" | {fmt(cell.get('adaptive_vs_best_fixed'), '.3f')} ({cell.get('best_fixed', '-')}) | "
                      + (", ".join(f"{r:.3f}" for r in cell.get("adaptive_vs_best_fixed_runs", [])) or "-")
-                     + f" | {fmt(cell.get('adaptive_vs_b1'), '.3f')} |")
+                     + f" | {fmt(cell.get('adaptive_vs_b1'), '.3f')} | {fmt(cell.get('default_vs_ar'), '.3f')} |")
     ratios = [r for c in results for r in c.get("adaptive_vs_best_fixed_runs", [])]
     if ratios:
         ci = geomean_interval(ratios)
