@@ -214,7 +214,7 @@ def test_a_run_whose_bf16_steps_are_not_finite_goes_on_in_float32(tmp_path, monk
 
     monkeypatch.setattr(online, "make_drafter", nan_in_bf16)
     cfg = online.OnlineConfig(out=str(tmp_path / "run"), target=str(gpu_run.tiny_target(tmp_path / "tiny")),
-                              device="cpu", bf16=True, budget_s=20, generate_batch=16, seqs_per_step=4, anchors=16,
+                              device="cpu", bf16=True, budget_s=30, generate_batch=16, seqs_per_step=4, anchors=16,
                               held_out_limit=2, prompt_limit=32, traffic_limit=8, max_new_tokens=16, eval_every_s=60,
                               reserve_s=3, intermediate_size=0, warmup_steps=2)
     summary = online.train_online(cfg, quiet=True)
