@@ -3,6 +3,7 @@
 It owns only the process's lifetime; the app is build_app's.
 """
 
+import faulthandler
 import math
 import os
 import signal
@@ -55,6 +56,7 @@ def serve_forever(config, port: int):
     from deployments.app import build_app
 
     signal.signal(signal.SIGTERM, _interrupt)
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to stderr (a server that hangs)
     me, started = psutil.Process(), set()
     try:
         # the dashboard (Serve tab) on loopback; it also writes the discovery file cluster/prometheus.yml reads
@@ -75,6 +77,7 @@ def serve_forever(config, port: int):
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("dflash-serve: stopping", flush=True)
         started.update(me.children(recursive=True))
         stopping = time.monotonic()
         # the app ends with the cluster (serve.shutdown() would drain every replica first: too slow); a

@@ -257,7 +257,11 @@ def test_serve_stops_every_process_it_started(how, tmp_path):
         stopping = time.monotonic()
         while process_group(server.pid) and time.monotonic() - stopping < 15:
             time.sleep(0.5)
-        assert not process_group(server.pid), f"left after {how}: {process_group(server.pid)} (started: {started})"
+        if process_group(server.pid) and server.poll() is None:  # hung: its threads' stacks into the log
+            server.send_signal(signal.SIGUSR1)
+            time.sleep(1)
+        assert not process_group(server.pid), \
+            f"left after {how}: {process_group(server.pid)} (started: {started}); its log ends:\n{log.read_text()[-4000:]}"
         assert server.wait(1) == 0
     finally:
         if process_group(server.pid):
