@@ -30,6 +30,15 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does
 
 
+def _stop_on_interrupts():
+    """SIGINT and SIGTERM raise KeyboardInterrupt, whatever the parent handed down: a process started in the
+    background of a script inherits SIGINT ignored (Python then installs no handler of its own), and a
+    parent can hand signals down blocked."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def stop(processes: set[psutil.Process], timeout_s: float = STOP_TIMEOUT_S):
     """Terminate what is left of `processes`, then kill what still runs after `timeout_s`. Ray's agents
     (DashboardAgent, RuntimeEnvAgent) can outlive their raylet, which no longer reaps them."""
@@ -55,7 +64,7 @@ def serve_forever(config, port: int):
 
     from deployments.app import build_app
 
-    signal.signal(signal.SIGTERM, _interrupt)
+    _stop_on_interrupts()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID`: every thread's stack to stderr (a server that hangs)
     me, started = psutil.Process(), set()
     try:
@@ -63,7 +72,7 @@ def serve_forever(config, port: int):
         # logical CPUs: what the app reserves (more than the machine has is allowed; they then share its cores)
         context = ray.init(address="local", num_cpus=max(2, math.ceil(reserved_cpus(config))), include_dashboard=True,
                            dashboard_host="127.0.0.1", _node_ip_address="127.0.0.1")
-        signal.signal(signal.SIGTERM, _interrupt)  # again: ray.init put its own (it logs, then aborts at exit)
+        _stop_on_interrupts()  # again: ray.init put its own SIGTERM handler (it logs, then aborts at exit)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name="dflash", route_prefix="/")
         auth = f", {len(config.api_keys)} API key(s) required" if config.api_keys else ""

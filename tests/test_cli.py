@@ -230,18 +230,20 @@ def process_group(pgid: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "Ctrl-C, started in a script's background"])
 def test_serve_stops_every_process_it_started(how, tmp_path):
     """`dflash-serve serve` in its own process group; SIGTERM to it (what `kill` sends), or SIGINT to the whole
     group (what Ctrl-C in a terminal sends): within 15 s no process of the group is left, Ray's
-    DashboardAgent and RuntimeEnvAgent included."""
+    DashboardAgent and RuntimeEnvAgent included. Also when the server inherited SIGINT ignored (`cmd &` in a
+    script: a test run started that way once left the server deaf to Ctrl-C)."""
     from conftest import free_port
 
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
+        ignored = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if "background" in how else None
         server = subprocess.Popen([sys.executable, "-m", "dflash_serve.cli", "serve", "--port", str(free_port()),
                                    "--draft", "none", "--dtype", "float32"], cwd=ROOT, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+                                  stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=ignored)
     try:
         deadline = time.monotonic() + 300
         while "dflash-serve: serving" not in log.read_text():
@@ -257,11 +259,14 @@ def test_serve_stops_every_process_it_started(how, tmp_path):
         stopping = time.monotonic()
         while process_group(server.pid) and time.monotonic() - stopping < 15:
             time.sleep(0.5)
-        if process_group(server.pid) and server.poll() is None:  # hung: its threads' stacks into the log
+        signals = ""
+        if process_group(server.pid) and server.poll() is None:  # hung: its signal masks, its threads' stacks
+            status = Path(f"/proc/{server.pid}/status").read_text().splitlines()
+            signals = "; ".join(line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
             server.send_signal(signal.SIGUSR1)
             time.sleep(1)
-        assert not process_group(server.pid), \
-            f"left after {how}: {process_group(server.pid)} (started: {started}); its log ends:\n{log.read_text()[-4000:]}"
+        assert not process_group(server.pid), (f"left after {how}: {process_group(server.pid)} (started: {started}); "
+                                               f"{signals}; its log ends:\n{log.read_text()[-4000:]}")
         assert server.wait(1) == 0
     finally:
         if process_group(server.pid):
