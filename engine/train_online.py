@@ -3,9 +3,8 @@
 From a prompt list and a bench prompt file of RAG and agent requests, the target writes its replies in
 large batches; each training step then runs the target over a batch of (prompt + reply) sequences for
 their features and greedy choices, and trains the drafter on random anchor blocks of them (the recipe
-of engine/train.py). Nothing is stored
-between the two but token ids, so the run is bounded by time, not by disk. Everything is timed
-against one wall-clock budget.
+of engine/train.py). Nothing is stored between the two but token ids, so the run is bounded by time,
+not by disk. Everything is timed against one wall-clock budget.
 """
 
 import json
@@ -103,7 +102,7 @@ def text_prompts(tokenizer, items: list[PromptItem]) -> list[tuple[list[int], st
     return list(zip(chat_ids_many(tokenizer, [p.text for p in items]), [p.source for p in items]))
 
 
-def bench_prompts(tokenizer, path, source, limit=None, seed=None) -> list[tuple[list[int], str]]:
+def file_prompts(tokenizer, path, source, limit=None, seed=None) -> list[tuple[list[int], str]]:
     """(token ids, source) of a bench prompt file's requests as `Prompt.token_ids` gives them: the first
     `limit`, or with a seed `limit` drawn at random."""
     prompts = read_prompts(path)
@@ -338,13 +337,13 @@ def train_online(cfg: OnlineConfig, quiet=False) -> dict:
     held_prompts = [(ids, "code" if source in CODE_SOURCES else "chat") for ids, source in
                     text_prompts(tokenizer, read_prompt_list(cfg.held_out_prompts)[: cfg.held_out_limit])]
     for kind, path in HELD_OUT_BENCH.items():
-        held_prompts += bench_prompts(tokenizer, path, kind, cfg.held_out_limit)
+        held_prompts += file_prompts(tokenizer, path, kind, cfg.held_out_limit)
     held_replies = write_replies(target, held_prompts, cfg, stops)
     items = read_prompt_list(cfg.prompts)
     random.Random(cfg.seed).shuffle(items)
     prompts = text_prompts(tokenizer, items[: cfg.prompt_limit])
     if cfg.traffic_prompts:
-        prompts += bench_prompts(tokenizer, cfg.traffic_prompts, "traffic", cfg.traffic_limit, seed=cfg.seed)
+        prompts += file_prompts(tokenizer, cfg.traffic_prompts, "traffic", cfg.traffic_limit, seed=cfg.seed)
         random.Random(cfg.seed + 1).shuffle(prompts)
     t0 = budget.elapsed
     replies = write_replies(target, prompts, cfg, stops, deadline=budget.at(cfg.generate_share))
