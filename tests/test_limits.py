@@ -284,7 +284,9 @@ def test_suffix_drafts_propose_a_keys_own_outputs_only(server):
     """With API keys on, a finished output joins the suffix index of its key only: the same prompt again with
     the same key has its earlier reply proposed and accepted; with the other key it is not (only what its own
     context says). The drafter here is random, so accepted drafts are the suffix proposer's."""
-    body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}], "max_tokens": 40,
+    # 20 tokens: random drafts make every step verify a whole block, and the module's 4 s timeout must
+    # not cut the first request short on a slow host (40 tokens took over 4 s on a 2-vCPU AVX2 one)
+    body = {"messages": [{"role": "user", "content": "Count from one to twenty in words."}], "max_tokens": 20,
             "temperature": 0}
 
     def ask_as(key):
