@@ -10,7 +10,10 @@ decode tokens/s, prompt by prompt, of three ways to spend each step the policy t
 - policy: what the engine verified (the adaptive policy's choice);
 - best single: the draft that was accepted further, verified alone (the most any per-step choice gets);
 - tree: both drafts in one verify of 1 + both widths, committing the longer accepted one; the drafter
-  runs every step.
+  runs every step;
+- copy ceiling: a drafter that knew, at every step, the longest span of the context (prompt and output so
+  far) that the output goes on with, copied it (at most a block's worth) and verified exactly that: the
+  most any drafting by copying could get, on its own walk through the output.
 
 The estimates follow the steps the policy's run visited (a different choice would have led elsewhere)
 and leave out prefill and the drafter's feature backlog after suffix steps (a tree drafts every step
@@ -83,11 +86,37 @@ def accepted(draft: list[int], output: list[int], position: int) -> int:
     return n
 
 
-def estimate(steps: list[Step], output: list[int], costs: CostModel, context: int) -> dict[str, float]:
-    """Decode tokens/s of the policy, the best single draft and the two-branch tree over `steps`."""
+def longest_copy(context: list[int], output: list[int], position: int, limit: int) -> int:
+    """The most tokens (<= limit) of output[position:] found in a row anywhere in `context`."""
+    best = 0
+    if limit < 1:
+        return 0
+    for i, token in enumerate(context):
+        if token == output[position]:
+            n = 1
+            while n < limit and i + n < len(context) and position + n < len(output) and context[i + n] == output[position + n]:
+                n += 1
+            best = max(best, n)
+    return best
+
+
+def copy_walk(prompt: list[int], output: list[int], limit: int = 15) -> list[int]:
+    """The copy ceiling's steps: how many tokens each step copies (then the target adds one)."""
+    copied, position = [], 0
+    while position < len(output):
+        n = longest_copy(prompt + output[:position], output, position, min(limit, len(output) - position - 1))
+        copied.append(n)
+        position += n + 1
+    return copied
+
+
+def estimate(steps: list[Step], output: list[int], costs: CostModel, context: int,
+             prompt: list[int] = ()) -> dict[str, float]:
+    """Decode tokens/s of the policy, the best single draft and the two-branch tree over `steps`, the copy
+    ceiling's (with the prompt) and plain decoding's."""
     verify = lambda width: costs.verify_cost(1, width, context)
     draft = lambda block: costs.draft_cost(1, block, context) if block > 1 else 0.0
-    totals = {name: [0, 0.0] for name in ("policy", "best single", "tree")}
+    totals = {name: [0, 0.0] for name in ("policy", "best single", "tree", "copy ceiling", "ar")}
 
     def add(name, tokens, seconds):
         totals[name][0] += tokens
@@ -102,7 +131,11 @@ def estimate(steps: list[Step], output: list[int], costs: CostModel, context: in
         add("best single", *(suffix_step if suffix_better else dflash_step))
         tree_width = 1 + len(s.dflash) + len(s.suffix)
         add("tree", max(a_d, a_s) + 1, draft(s.drafted) + verify(tree_width))
-    return {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+    if prompt:
+        for n in copy_walk(list(prompt), output):
+            add("copy ceiling", n + 1, verify(n + 1))
+    add("ar", len(output), len(output) * verify(1))
+    return {name: tokens / seconds for name, (tokens, seconds) in totals.items() if seconds}
 
 
 def run(prompts: str, num_prompts: int, max_new_tokens: int, engine_config: EngineConfig) -> list[dict]:
@@ -120,22 +153,27 @@ def run(prompts: str, num_prompts: int, max_new_tokens: int, engine_config: Engi
         engine.suffix, engine.steps = SuffixProposer(base.suffix.config), {}  # a fresh index, as bench's runs
         r = engine.generate_batch([ids], SamplingParams(max_tokens=max_new_tokens))[0]
         steps = engine.steps[r.request_id]
-        est = estimate(steps, r.output_ids, costs, len(ids) + len(r.output_ids) // 2)
+        est = estimate(steps, r.output_ids, costs, len(ids) + len(r.output_ids) // 2, prompt=ids)
         both = sum(1 for s in steps if s.suffix and s.dflash)
         rows.append(dict(est, steps=len(steps), both=both, tokens=len(r.output_ids),
-                         suffix_steps=sum(s.chose_suffix for s in steps)))
+                         suffix_steps=sum(s.chose_suffix for s in steps), copy_steps=len(copy_walk(ids, r.output_ids))))
     return rows
 
 
 def report(rows: list[dict]) -> str:
     lines = ["| prompt | tokens | steps | both drafts | suffix chosen | policy tok/s | best single | tree | "
-             "best single / policy | tree / policy |", "|" + "---|" * 10]
+             "best single / policy | tree / policy | copy ceiling: steps / tok/s | policy / ar | copy ceiling / ar |",
+             "|" + "---|" * 13]
     for i, r in enumerate(rows):
         lines.append(f"| {i} | {r['tokens']} | {r['steps']} | {r['both']} | {r['suffix_steps']} | {r['policy']:.1f} | "
                      f"{r['best single']:.1f} | {r['tree']:.1f} | {r['best single'] / r['policy']:.2f} | "
-                     f"{r['tree'] / r['policy']:.2f} |")
-    med = lambda key: statistics.median(r[key] / r["policy"] for r in rows)
-    lines.append(f"\nmedian over prompts: best single / policy {med('best single'):.2f}x, tree / policy {med('tree'):.2f}x")
+                     f"{r['tree'] / r['policy']:.2f} | {r['copy_steps']} / {r['copy ceiling']:.1f} | "
+                     f"{r['policy'] / r['ar']:.2f} | {r['copy ceiling'] / r['ar']:.2f} |")
+    med = lambda key, over="policy": statistics.median(r[key] / r[over] for r in rows)
+    tau = lambda steps: sum(r["tokens"] for r in rows) / sum(r[steps] for r in rows)
+    lines.append(f"\nmedian over prompts: best single / policy {med('best single'):.2f}x, tree / policy {med('tree'):.2f}x; "
+                 f"policy / ar {med('policy', 'ar'):.2f}x, copy ceiling / ar {med('copy ceiling', 'ar'):.2f}x "
+                 f"(tokens a step: policy {tau('steps'):.2f}, copy ceiling {tau('copy_steps'):.2f}; decoding alone)")
     return "\n".join(lines)
 
 

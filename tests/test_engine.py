@@ -546,7 +546,7 @@ def test_two_branch_recording_scores_each_draft_as_verification_did():
     """engine.branches: its recording engine gives the engine's own greedy output (float32), records one step
     per verify with both drafts, and scores the chosen draft's accepted length as the verify found it; the
     estimate commits the better draft (best single) or the longer of both (tree) at the costs given."""
-    from engine.branches import RecordingEngine, Step, accepted, estimate
+    from engine.branches import RecordingEngine, Step, accepted, copy_walk, estimate
     from engine.policy import CostModel
     from engine.suffix import SuffixProposer
 
@@ -569,4 +569,10 @@ def test_two_branch_recording_scores_each_draft_as_verification_did():
     flat = CostModel([1], [1, 33], [[1.0, 1.0]], draft_seconds=[[0.0, 0.0]])  # every verify 1 s, drafting free
     steps = [Step(0, dflash=[5, 6], drafted=3, suffix=[5, 7, 8], chose_suffix=False)]
     est = estimate(steps, [5, 7, 8, 9], flat, context=10)
-    assert est == {"policy": 2.0, "best single": 4.0, "tree": 4.0}
+    assert est == {"policy": 2.0, "best single": 4.0, "tree": 4.0, "ar": 1.0}
+    # the copy ceiling: 5 is nowhere before it (the target's own token), then [7, 8] is copied from the prompt
+    assert copy_walk([1, 7, 8, 2], [5, 7, 8, 9]) == [0, 2]
+    assert estimate(steps, [5, 7, 8, 9], flat, context=10, prompt=[1, 7, 8, 2])["copy ceiling"] == 2.0
+    # a copy holds what the context already has (at most `limit`), and the reply's last token is the target's
+    assert copy_walk([3], [3] * 10) == [1, 3, 3]
+    assert copy_walk([3], [3] * 20, limit=4) == [1, 3, 4, 4, 3]
