@@ -88,9 +88,9 @@ def accepted(draft: list[int], output: list[int], position: int) -> int:
 
 def longest_copy(context: list[int], output: list[int], position: int, limit: int) -> int:
     """The most tokens (<= limit) of output[position:] found in a row anywhere in `context`."""
-    best = 0
     if limit < 1:
         return 0
+    best = 0
     for i, token in enumerate(context):
         if token == output[position]:
             n = 1
@@ -111,9 +111,9 @@ def copy_walk(prompt: list[int], output: list[int], limit: int = 15) -> list[int
 
 
 def estimate(steps: list[Step], output: list[int], costs: CostModel, context: int,
-             prompt: list[int] = ()) -> dict[str, float]:
+             copied: list[int] = ()) -> dict[str, float]:
     """Decode tokens/s of the policy, the best single draft and the two-branch tree over `steps`, the copy
-    ceiling's (with the prompt) and plain decoding's."""
+    ceiling's (given its walk, copy_walk) and plain decoding's."""
     verify = lambda width: costs.verify_cost(1, width, context)
     draft = lambda block: costs.draft_cost(1, block, context) if block > 1 else 0.0
     totals = {name: [0, 0.0] for name in ("policy", "best single", "tree", "copy ceiling", "ar")}
@@ -131,9 +131,8 @@ def estimate(steps: list[Step], output: list[int], costs: CostModel, context: in
         add("best single", *(suffix_step if suffix_better else dflash_step))
         tree_width = 1 + len(s.dflash) + len(s.suffix)
         add("tree", max(a_d, a_s) + 1, draft(s.drafted) + verify(tree_width))
-    if prompt:
-        for n in copy_walk(list(prompt), output):
-            add("copy ceiling", n + 1, verify(n + 1))
+    for n in copied:
+        add("copy ceiling", n + 1, verify(n + 1))
     add("ar", len(output), len(output) * verify(1))
     return {name: tokens / seconds for name, (tokens, seconds) in totals.items() if seconds}
 
@@ -153,10 +152,11 @@ def run(prompts: str, num_prompts: int, max_new_tokens: int, engine_config: Engi
         engine.suffix, engine.steps = SuffixProposer(base.suffix.config), {}  # a fresh index, as bench's runs
         r = engine.generate_batch([ids], SamplingParams(max_tokens=max_new_tokens))[0]
         steps = engine.steps[r.request_id]
-        est = estimate(steps, r.output_ids, costs, len(ids) + len(r.output_ids) // 2, prompt=ids)
+        copied = copy_walk(ids, r.output_ids)
+        est = estimate(steps, r.output_ids, costs, len(ids) + len(r.output_ids) // 2, copied)
         both = sum(1 for s in steps if s.suffix and s.dflash)
         rows.append(dict(est, steps=len(steps), both=both, tokens=len(r.output_ids),
-                         suffix_steps=sum(s.chose_suffix for s in steps), copy_steps=len(copy_walk(ids, r.output_ids))))
+                         suffix_steps=sum(s.chose_suffix for s in steps), copy_steps=len(copied)))
     return rows
 
 

@@ -572,7 +572,7 @@ def test_two_branch_recording_scores_each_draft_as_verification_did():
     assert est == {"policy": 2.0, "best single": 4.0, "tree": 4.0, "ar": 1.0}
     # the copy ceiling: 5 is nowhere before it (the target's own token), then [7, 8] is copied from the prompt
     assert copy_walk([1, 7, 8, 2], [5, 7, 8, 9]) == [0, 2]
-    assert estimate(steps, [5, 7, 8, 9], flat, context=10, prompt=[1, 7, 8, 2])["copy ceiling"] == 2.0
+    assert estimate(steps, [5, 7, 8, 9], flat, context=10, copied=[0, 2])["copy ceiling"] == 2.0
     # a copy holds what the context already has (at most `limit`), and the reply's last token is the target's
     assert copy_walk([3], [3] * 10) == [1, 3, 3]
     assert copy_walk([3], [3] * 20, limit=4) == [1, 3, 4, 4, 3]
