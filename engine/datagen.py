@@ -372,7 +372,8 @@ def read_prompt_list(path) -> list[PromptItem]:
 def generate_responses(target, prompts: list[list[int]], *, max_new_tokens=256, batch_size=256,
                        temperature=0.0, top_p=1.0, stop_token_ids=(), seed=0, prefill_tokens=65536,
                        deadline=None, quiet=True) -> list[list[int]]:
-    """The target's replies to many prompts (token ids only), `batch_size` rows decoding in lockstep.
+    """The target's replies to many prompts (token ids only), `batch_size` rows decoding in lockstep (on a
+    GPU at most the rows its free memory holds: rows_that_fit).
 
     Built for throughput on a GPU: one KV slot per row, every row steps every time (a finished row's
     extra tokens are cut afterwards), no per-request bookkeeping. Greedy, or sampled at `temperature`
@@ -383,6 +384,9 @@ def generate_responses(target, prompts: list[list[int]], *, max_new_tokens=256, 
     stops = torch.tensor(sorted(set(stop_token_ids)) or [-1], device=device)
     generator = torch.Generator(device).manual_seed(seed)
     longest = max(len(p) for p in prompts)
+    if device.type == "cuda":  # as many rows as the free memory holds (2,048 rows of 1,024 positions: ~48 GB)
+        free, _ = torch.cuda.mem_get_info(device)
+        batch_size = rows_that_fit(target, longest + max_new_tokens, free, batch_size)
     cache = target.new_cache(min(batch_size, len(prompts)), longest + max_new_tokens)
     replies = []
     bar = tqdm(total=len(prompts), desc="generate", unit="prompt", disable=quiet)
@@ -407,6 +411,14 @@ def generate_responses(target, prompts: list[list[int]], *, max_new_tokens=256, 
         bar.update(len(batch))
     bar.close()
     return replies
+
+
+def rows_that_fit(target, length, free_bytes, most, share=0.6) -> int:
+    """How many rows of `length` positions (their KV cache and last logits) fit in `share` of `free_bytes`,
+    at most `most` and at least 1."""
+    c, item = target.config, torch.empty((), dtype=target.dtype).element_size()
+    per_row = item * (2 * len(target.layers) * c.num_kv_heads * c.head_dim * (length + 1) + c.vocab_size)
+    return max(1, min(most, int(share * free_bytes // per_row)))
 
 
 def _prefill_last_logits(target, cache, batch, budget):

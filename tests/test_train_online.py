@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.datagen import HELD_OUT_PROMPTS, NUM_HELD_OUT, TRAIN_PROMPTS, generate_responses, read_prompt_list
+from engine.datagen import (HELD_OUT_PROMPTS, NUM_HELD_OUT, TRAIN_PROMPTS, generate_responses, read_prompt_list,
+                            rows_that_fit)
 from engine.engine import Engine, SamplingParams
 from engine.model import ModelConfig, TargetModel
 from engine.train import Sequence, loss_and_accuracy, make_batch, position_weights
@@ -57,6 +58,18 @@ def test_generation_stops_starting_batches_after_the_deadline():
     target, ps = tiny_target(), prompts(6)
     out = generate_responses(target, ps, max_new_tokens=4, batch_size=2, deadline=0.0)
     assert len(out) == 2  # the first batch always runs
+
+
+def test_reply_rows_are_as_many_as_the_free_memory_holds():
+    """On a GPU the reply batch shrinks to the rows whose KV cache and logits fit 60% of the free memory:
+    a row's bytes are what the cache allocates for it."""
+    target = tiny_target()
+    cache = target.new_cache(1, 99)
+    per_row = cache.k.nbytes + cache.v.nbytes + TINY.vocab_size * 4  # float32
+    assert rows_that_fit(target, 99, free_bytes=10 * per_row / 0.6, most=2048) == 10
+    assert rows_that_fit(target, 99, free_bytes=10 * per_row / 0.6 - 1, most=2048) == 9
+    assert rows_that_fit(target, 99, free_bytes=10 * per_row, most=4) == 4
+    assert rows_that_fit(target, 99, free_bytes=0, most=4) == 1
 
 
 def test_sampled_generation_is_seeded():
