@@ -417,7 +417,7 @@ def rows_that_fit(target, length, free_bytes, most, share=0.6) -> int:
     """How many rows of `length` positions (their KV cache and last logits) fit in `share` of `free_bytes`,
     at most `most` and at least 1."""
     c, item = target.config, torch.empty((), dtype=target.dtype).element_size()
-    per_row = item * (2 * len(target.layers) * c.num_kv_heads * c.head_dim * (length + 1) + c.vocab_size)
+    per_row = item * 2 * len(target.layers) * c.num_kv_heads * c.head_dim * (length + 1) + 4 * c.vocab_size  # logits: float32
     return max(1, min(most, int(share * free_bytes // per_row)))
 
 
